@@ -1,0 +1,205 @@
+"""The backend contract: a verbs-shaped NIC, with no asyncio.
+
+A backend is what one engine opens on one device. It registers memory, makes
+completion queues and reliable-connected queue pairs, and carries RDMA READ
+and WRITE work requests. The asyncio layer above sees only this module.
+
+The semantics every backend keeps (the conformance suite checks them):
+
+* Memory: ``register_memory`` takes a writable, C-contiguous buffer and
+  returns a region whose ``addr`` is the buffer's address; remote requests
+  name ``addr + offset`` and the region's ``rkey``. A request outside a live
+  region, with a wrong rkey, or without the access it needs, completes with
+  ``REM_ACCESS_ERR`` at the initiator and changes no byte at the target.
+* Completion queue: ``fileno()`` is a real file descriptor (a completion
+  channel). After ``req_notify()`` the next completion added makes it
+  readable, once (like ``ibv_req_notify_cq``). ``get_event()`` consumes and
+  acknowledges what is pending and never blocks. A reader that does
+  get_event, req_notify, then polls until empty never misses a completion.
+* Queue pair (RC): completions come in posting order. A successful request
+  completes only if it was signaled; a failed or flushed one always
+  completes. After the first error the pair is in the error state and every
+  outstanding and later request completes with ``WR_FLUSH_ERR``. A peer that
+  vanishes makes the oldest outstanding request complete with
+  ``RETRY_EXC_ERR``, the rest with ``WR_FLUSH_ERR``. A send-queue slot is
+  held from ``post_send`` until the completion that covers the request (its
+  own, or a later signaled one on the same pair) has been polled.
+* A fatal condition a backend learns of off the event loop (device event,
+  dead connection) is reported through the completion queue as completions,
+  never as an exception in some other thread.
+* Connecting: the active side (the one that will post) creates its pair
+  and sends ``endpoint()`` to the passive side; the passive side creates a
+  pair, ``connect``s it to that endpoint and answers with its own endpoint;
+  then the active side ``connect``s. The runtime posts only on the active
+  side's pair; the passive pair only answers (a backend may refuse posts
+  on it).
+* Calls may block only where documented: ``QueuePair.connect`` (the runtime
+  calls it in a worker thread) and ``Backend.close``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..errors import MoriioError
+from ..status import Access
+from ..work import WorkCompletion, WorkRequest
+
+__all__ = [
+    "Backend",
+    "BackendOptions",
+    "CompletionQueue",
+    "MemoryRegion",
+    "QpState",
+    "QueuePair",
+    "SendQueueFull",
+]
+
+Endpoint = Mapping[str, Any]
+"""What one side of a queue pair tells the other to connect (JSON-serialisable)."""
+
+
+class SendQueueFull(MoriioError):
+    """``post_send`` found no room for every request: none was posted.
+
+    The runtime keeps its own count of free slots, so this is a safety net that
+    means the runtime and the backend disagree, not ordinary backpressure.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """Settings a backend reads at open time. Fields a backend does not use are ignored."""
+
+    host: str = "127.0.0.1"
+    """Address the data plane listens on (TCP) or whose GID is used (verbs)."""
+    sq_depth: int = 256
+    """Requested send-queue depth; a backend clips it to what the device allows."""
+    max_sge: int = 16
+    cq_depth: int = 8192
+    retry_timeout: float = 5.0
+    """Silence after which an outstanding request fails with RETRY_EXC_ERR."""
+    connect_timeout: float = 10.0
+    device: str | None = None
+    """Verbs: the RDMA device name (first ACTIVE one when None)."""
+    ib_port: int = 1
+    gid_index: int | None = None
+    """Verbs: GID table index (the RoCE v2 IPv4-mapped entry when None)."""
+    qp_timeout: int = 14
+    """Verbs: local ACK timeout exponent (4.096 us * 2**n)."""
+    retry_cnt: int = 7
+    rnr_retry: int = 7
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class QpState:
+    """Queue-pair states, named as in verbs."""
+
+    RESET = "RESET"
+    INIT = "INIT"
+    RTR = "RTR"
+    RTS = "RTS"
+    ERR = "ERR"
+
+
+@dataclass(eq=False, slots=True)
+class MemoryRegion:
+    """A registered buffer. Backends may subclass it to keep their handle."""
+
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+    access: Access
+    view: memoryview = field(repr=False)
+
+
+class CompletionQueue(abc.ABC):
+    """A completion queue with its completion channel."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """The channel's file descriptor, non-blocking, readable when an event is pending."""
+
+    @abc.abstractmethod
+    def req_notify(self) -> None:
+        """Arm: the next completion added makes ``fileno()`` readable, once."""
+
+    @abc.abstractmethod
+    def get_event(self) -> bool:
+        """Consume and acknowledge pending channel events; False when there were none."""
+
+    @abc.abstractmethod
+    def poll(self, max_entries: int = 64) -> list[WorkCompletion]:
+        """Take up to ``max_entries`` completions, oldest first; never blocks."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the queue; its queue pairs must be closed first."""
+
+
+class QueuePair(abc.ABC):
+    """A reliable-connected queue pair."""
+
+    qp_num: int
+    max_send_wr: int
+    """The real send-queue depth, after the device's limits."""
+    max_sge: int
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> str:
+        """One of ``QpState``'s values."""
+
+    @abc.abstractmethod
+    def endpoint(self) -> Endpoint:
+        """What the peer's queue pair needs to connect to this one."""
+
+    @abc.abstractmethod
+    def connect(self, remote: Endpoint) -> None:
+        """Bring the pair to RTS against the peer's endpoint. May block; call off the loop."""
+
+    @abc.abstractmethod
+    def post_send(self, wrs: Sequence[WorkRequest]) -> None:
+        """Post requests in order; all or none (``SendQueueFull``). Never blocks."""
+
+    @abc.abstractmethod
+    def to_error(self) -> None:
+        """Move to the error state: every outstanding request completes with WR_FLUSH_ERR."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Destroy the pair (moving it to the error state first if needed)."""
+
+
+class Backend(abc.ABC):
+    """One opened device: the factory for regions, completion queues and queue pairs."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def register_memory(self, buffer: memoryview, access: Access) -> MemoryRegion:
+        """Register a writable, C-contiguous, byte-formatted view (the caller checked it)."""
+
+    @abc.abstractmethod
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        """Invalidate the region: later remote requests on it fail with REM_ACCESS_ERR."""
+
+    @abc.abstractmethod
+    def create_cq(self, depth: int) -> CompletionQueue:
+        """A completion queue with its own completion channel."""
+
+    @abc.abstractmethod
+    def create_qp(self, cq: CompletionQueue) -> QueuePair:
+        """A queue pair in INIT whose send completions go to ``cq``."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Facts for logs and ``doctor``: device, port, GID, limits."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; outstanding requests are flushed first."""
