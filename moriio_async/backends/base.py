@@ -122,7 +122,11 @@ class CompletionQueue(abc.ABC):
 
     @abc.abstractmethod
     def fileno(self) -> int:
-        """The channel's file descriptor, non-blocking, readable when an event is pending."""
+        """The channel's file descriptor, non-blocking, readable when an event is pending.
+
+        -1 means the backend has no channel fd (pyverbs older than 57): the
+        runtime then polls this queue from the event loop, adaptively.
+        """
 
     @abc.abstractmethod
     def req_notify(self) -> None:
