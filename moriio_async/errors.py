@@ -123,7 +123,7 @@ class TransferTimeout(MoriioError, TimeoutError):
         return str(self).split(" (hint:")[0]
 
 
-class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc]
+class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc,unused-ignore]
     """Some transfers of a wait did not succeed: one member per failed or timed-out transfer."""
 
     def __new__(
@@ -131,16 +131,12 @@ class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc]
     ) -> TransferError:
         return super().__new__(cls, message, list(exceptions))
 
-    def __init__(
-        self, message: str, exceptions: Sequence[TransferFailed | TransferTimeout], total: int = 0
-    ) -> None:
+    def __init__(self, message: str, exceptions: Sequence[TransferFailed | TransferTimeout], total: int = 0) -> None:
         # ExceptionGroup takes its args from __new__; MoriioError's __init__ is skipped on purpose.
         self.total = total
 
     @classmethod
-    def build(
-        cls, failed: Sequence[TransferFailed], timed_out: Sequence[TransferTimeout], total: int
-    ) -> TransferError:
+    def build(cls, failed: Sequence[TransferFailed], timed_out: Sequence[TransferTimeout], total: int) -> TransferError:
         members: list[TransferFailed | TransferTimeout] = [*failed, *timed_out]
         head = f"{len(members)}/{total} transfers failed:"
         lines = [m.line() for m in members]
@@ -154,7 +150,7 @@ class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc]
     def timed_out(self) -> list[TransferTimeout]:
         return [e for e in self.exceptions if isinstance(e, TransferTimeout)]
 
-    def derive(self, excs: Sequence[Any]) -> TransferError:
+    def derive(self, excs: Sequence[Any]) -> TransferError:  # type: ignore[override]
         return TransferError(self.message, excs, self.total)
 
     def __str__(self) -> str:

@@ -15,6 +15,7 @@ log = logging.getLogger("moriio_async")
 BACKENDS = {
     "tcp": "moriio_async.backends.tcp",
     "verbs": "moriio_async.backends.verbs",
+    "mock": "moriio_async.backends.mock",
 }
 
 
@@ -30,9 +31,7 @@ def open_backend(name: str, options: BackendOptions) -> Backend:
         return backend
     module_name = BACKENDS.get(name)
     if module_name is None:
-        raise BackendUnavailable(
-            f"unknown backend {name!r}", hint=f"choose one of {sorted(BACKENDS)} or 'auto'"
-        )
+        raise BackendUnavailable(f"unknown backend {name!r}", hint=f"choose one of {sorted(BACKENDS)} or 'auto'")
     module = importlib.import_module(module_name)
     opened: Backend = module.open_backend(options)
     return opened

@@ -1,0 +1,1 @@
+"""The asyncio layer: completion readers, transfers, the deadline wait, queue-pair channels, control streams."""

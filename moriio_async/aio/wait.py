@@ -1,0 +1,53 @@
+"""``waiting_for_transfer_complete``: one ``asyncio.wait`` with the deadline.
+
+No polling, no task per transfer: the transfers' own futures go to a single
+``asyncio.wait``. When it returns with some still pending, the completion
+queues behind them are drained once more before anything is called a
+timeout: a completion that reached the CQ just before the deadline is
+reported as what it is (MoRI-IO's ``wait_all`` called those timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from ..errors import TransferError, TransferFailed, TransferTimeout
+from .transfer import Transfer
+
+__all__ = ["waiting_for_transfer_complete"]
+
+
+async def waiting_for_transfer_complete(
+    transfers: Iterable[Transfer] | Transfer,
+    timeout: float | None = None,
+    fail_fast: bool = False,
+) -> None:
+    """Wait until every transfer succeeded, or raise one ``TransferError`` for those that did not.
+
+    ``timeout`` is seconds from now (None: no deadline). The error lists a
+    ``TransferFailed`` per failed transfer and a ``TransferTimeout`` per
+    transfer still pending at the deadline; timed-out transfers go on, and
+    their buffers stay pinned until they end. With ``fail_fast`` the wait
+    ends at the first failure, listing the failures only.
+    """
+    items = [transfers] if isinstance(transfers, Transfer) else list(dict.fromkeys(transfers))
+    if not items:
+        return
+    pending = [t._future for t in items if not t.done()]
+    if pending:
+        await asyncio.wait(
+            pending,
+            timeout=timeout,
+            return_when=asyncio.FIRST_EXCEPTION if fail_fast else asyncio.ALL_COMPLETED,
+        )
+    if any(not t.done() for t in items):
+        drains = {id(t._drain): t._drain for t in items if not t.done() and t._drain is not None}
+        for drain in drains.values():
+            drain()
+    failed: list[TransferFailed] = [e for t in items if (e := t.error()) is not None]
+    if fail_fast and failed:
+        raise TransferError.build(failed, [], len(items))
+    timed_out = [TransferTimeout(t.id, timeout or 0.0, peer=t.peer) for t in items if not t.done()]
+    if failed or timed_out:
+        raise TransferError.build(failed, timed_out, len(items))

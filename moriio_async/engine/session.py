@@ -1,0 +1,207 @@
+"""``Session``: one local region, one remote region, one queue pair between them.
+
+``read``/``write``/``batch_read``/``batch_write`` check everything, then
+return a ``Transfer`` at once: they never block the loop and never fail for
+lack of send-queue room. Bad input raises before anything is posted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, final
+
+from ..aio.channel import ChannelState, QpChannel, RequestSpec
+from ..aio.transfer import Transfer
+from ..core.plan import check_blocks, plan_segments
+from ..descriptors import MemoryDesc
+from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, SessionClosed, StalePeer
+from ..status import Access, Opcode, StatusCode
+from ..work import Sge
+from .memory import LocalRegion
+
+if TYPE_CHECKING:
+    from .engine import IOEngine
+
+__all__ = ["Session"]
+
+log = logging.getLogger("moriio_async")
+
+
+@final
+class Session:
+    """Transfers between one local and one remote region, in order on one queue pair."""
+
+    def __init__(self, engine: IOEngine, local: LocalRegion, remote: MemoryDesc, channel: QpChannel) -> None:
+        self._engine = engine
+        self._local = local
+        self.remote = remote
+        self.channel = channel
+        self.closed = False
+        self.stale = False
+        self._reconnect_task: asyncio.Task[None] | None = None
+
+    @property
+    def local(self) -> MemoryDesc:
+        return self._local.desc
+
+    @property
+    def peer(self) -> str:
+        return self.remote.engine_key
+
+    def __repr__(self) -> str:
+        return f"<Session {self.local.name or 'local'} -> {self.peer}/{self.remote.name} {self.channel.state}>"
+
+    # -- MoRI-IO's transfer calls -------------------------------------------------------------
+
+    def read(self, local_offset: int, remote_offset: int, size: int) -> Transfer:
+        """RDMA READ ``size`` bytes from the remote region into the local one."""
+        return self._submit(Opcode.RDMA_READ, [local_offset], [remote_offset], [size])
+
+    def write(self, local_offset: int, remote_offset: int, size: int) -> Transfer:
+        """RDMA WRITE ``size`` bytes from the local region into the remote one."""
+        return self._submit(Opcode.RDMA_WRITE, [local_offset], [remote_offset], [size])
+
+    def batch_read(self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int]) -> Transfer:
+        """Many blocks as one transfer; contiguous blocks merge into fewer work requests."""
+        return self._submit(Opcode.RDMA_READ, local_offsets, remote_offsets, sizes)
+
+    def batch_write(
+        self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int]
+    ) -> Transfer:
+        return self._submit(Opcode.RDMA_WRITE, local_offsets, remote_offsets, sizes)
+
+    def _submit(self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int]) -> Transfer:
+        engine = self._engine
+        if engine.closed:
+            raise EngineClosed(f"engine {engine.key!r} is closed")
+        if self.closed:
+            raise SessionClosed(f"{self!r} is closed")
+        if not self._local.live:
+            raise InvalidArgument("the session's local region was deregistered")
+        local, remote = self._local.desc, self.remote
+        if opcode is Opcode.RDMA_READ:
+            if not local.access & Access.LOCAL_WRITE:
+                raise InvalidArgument("RDMA READ needs LOCAL_WRITE access on the local region")
+            if not remote.access & Access.REMOTE_READ:
+                raise InvalidArgument(f"remote region {remote.name!r} does not allow REMOTE_READ")
+        elif not remote.access & Access.REMOTE_WRITE:
+            raise InvalidArgument(f"remote region {remote.name!r} does not allow REMOTE_WRITE")
+        lo_i, ro_i, sz_i = check_blocks(lo, ro, sz, local.length, remote.length)
+        qp = self.channel.qp
+        segments = plan_segments(lo_i, ro_i, sz_i, max_sge=qp.max_sge, max_wr_bytes=engine.config.max_wr_bytes)
+        mr = self._local.mr
+        specs = [
+            RequestSpec(
+                opcode,
+                tuple(Sge(mr.addr + off, n, mr.lkey) for off, n in seg.pieces),
+                remote.addr + seg.remote_offset,
+                remote.rkey,
+            )
+            for seg in segments
+        ]
+        transfer = Transfer(
+            engine.loop,
+            engine._next_transfer_id(),
+            opcode,
+            self.peer,
+            lo_i,
+            ro_i,
+            sz_i,
+            drain=engine._drain,
+        )
+        self._local.pin()
+        engine._track(transfer, self._local)
+        if self.stale:
+            transfer._start(len(specs))
+            transfer._fail(StatusCode.ERR_BAD_STATE, self._stale_message(), hint=_STALE_HINT)
+            return transfer
+        self.channel.submit(transfer, specs)
+        return transfer
+
+    # -- failure and recovery ------------------------------------------------------------------
+
+    def _on_failed_idle(self, channel: QpChannel) -> None:
+        """The pair failed earlier and has drained; new requests wait for a fresh pair."""
+        if self._reconnect_task is None and not self.closed:
+            self._reconnect_task = self._engine.loop.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        old = self.channel.qp
+        try:
+            qp = await self._engine._open_qp(self.remote)
+        except StalePeer as exc:
+            self.stale = True
+            self._fail_waiting(StatusCode.ERR_BAD_STATE, f"{self._stale_message()}: {exc}", _STALE_HINT)
+        except (ControlPlaneError, OSError) as exc:
+            self._fail_waiting(
+                StatusCode.ERR_RDMA_OP,
+                f"reconnecting to {self.peer} failed: {exc}",
+                "the peer is unreachable; later transfers on this session try to reconnect again",
+            )
+        else:
+            if self.closed:
+                self._engine._close_qp(qp)
+            else:
+                self._engine._swap_qp(self.channel, old, qp)
+                log.info("session to %s reconnected on a new queue pair %d", self.peer, qp.qp_num)
+        finally:
+            self._reconnect_task = None
+        if self.channel.state == ChannelState.FAILED and self.channel.waiting and not self.closed:
+            self._on_failed_idle(self.channel)
+
+    def _fail_waiting(self, code: StatusCode, message: str, hint: str) -> None:
+        while self.channel.sendq.waiting:
+            self.channel.sendq.waiting.popleft().owner._fail(code, message, hint)
+
+    def _stale_message(self) -> str:
+        return (
+            f"peer {self.peer} restarted: the remote region {self.remote.name!r} belongs to its "
+            f"earlier incarnation {self.remote.incarnation:#x}"
+        )
+
+    async def abort(self, timeout: float | None = None) -> None:
+        """Move the queue pair to the error state and wait until every transfer on it has ended.
+
+        In-flight requests end with WR_FLUSH_ERR as the NIC reports them; if it
+        reports nothing within ``timeout`` (default ``abort_timeout``), they are
+        declared flushed. Afterwards the session holds no request and no pin;
+        the next transfer reconnects on a new queue pair.
+        """
+        if self.channel.idle:
+            return
+        self.channel.begin_abort()
+        self._engine._drain()
+        try:
+            async with asyncio.timeout(timeout if timeout is not None else self._engine.config.abort_timeout):
+                await self.channel.wait_idle()
+        except TimeoutError:
+            log.warning("abort of %r: no flush completions; declaring %d flushed", self, self.channel.in_flight)
+            self.channel.force_fail_in_flight()
+            self.channel.fail_waiting()
+
+    async def close(self) -> None:
+        """Abort what is in flight, then destroy the queue pair. Idempotent."""
+        if self.closed:
+            return
+        await self.abort()
+        self.closed = True
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+        self._engine._forget_session(self)
+
+    def statistics(self) -> dict[str, int | str]:
+        ch = self.channel
+        return {
+            "state": ch.state,
+            "qp_num": ch.qp_num,
+            "in_flight": ch.in_flight,
+            "waiting": ch.waiting,
+            "posted": ch.posted,
+            "max_in_flight": ch.max_in_flight,
+            "sq_depth": ch.sendq.depth,
+        }
+
+
+_STALE_HINT = "connect() to the peer again and create a new session with its new MemoryDesc"
