@@ -1,0 +1,193 @@
+"""The verbs RC queue pair: endpoint exchange, INIT->RTR->RTS, posting with slot accounting."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import InvalidArgument
+from ...status import Access, Opcode, WcStatus
+from ...work import WorkRequest
+from ..base import Endpoint, QpState, QueuePair, SendQueueFull
+from ._pyverbs import PathParams, PdHandle, QpHandle, VerbsError
+from .cq import VerbsCompletionQueue
+from .facts import LINK_LAYER_ETHERNET, DeviceLimits, PortFacts
+from .ledger import SendLedger
+
+__all__ = ["PortConfig", "VerbsQueuePair"]
+
+log = logging.getLogger("moriio_async.verbs")
+
+# enum ibv_qp_state -> the contract's names (SQD drains but still sends; SQE is an error).
+_STATES = {0: QpState.RESET, 1: QpState.INIT, 2: QpState.RTR, 3: QpState.RTS, 4: QpState.RTS}
+QPS_SQE, QPS_ERR = 5, 6
+_MAX_RD_ATOM = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PortConfig:
+    """What every pair of one backend shares: the port, its GID, the limits and the retry knobs."""
+
+    port: PortFacts
+    gid_index: int
+    gid: str
+    limits: DeviceLimits
+    timeout: int
+    retry_cnt: int
+    rnr_retry: int
+
+
+def _int_field(remote: Endpoint, name: str, low: int, high: int) -> int:
+    value: Any = remote.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidArgument(f"remote endpoint field {name!r} is missing or out of range: {value!r}")
+    return value
+
+
+class VerbsQueuePair(QueuePair):
+    def __init__(self, pd: PdHandle, cq: VerbsCompletionQueue, config: PortConfig, *, depth: int, max_sge: int) -> None:
+        access = int(Access.all())
+        self.handle = QpHandle(pd, cq.handle, depth=depth, max_sge=max_sge, port=config.port.port, access=access)
+        self.cq = cq
+        self.config = config
+        self.qp_num = self.handle.qp_num
+        self.max_send_wr = min(depth, self.handle.max_send_wr)
+        self.max_sge = min(max_sge, self.handle.max_send_sge)
+        self.ledger = SendLedger(self.qp_num, self.max_send_wr)
+        cq.ledgers[self.qp_num] = self.ledger
+        self.lock = threading.Lock()
+        """Held by ``close`` and by the event watcher, so no thread touches a destroyed pair."""
+        self.closed = False
+        self._psn = secrets.randbits(24)
+        self._rd_atom = max(1, min(config.limits.max_qp_rd_atom, _MAX_RD_ATOM))
+
+    @property
+    def state(self) -> str:
+        with self.lock:
+            if self.closed:
+                return QpState.ERR
+            try:
+                raw = self.handle.query_state()
+            except VerbsError:
+                return QpState.ERR
+        return _STATES.get(raw, QpState.ERR)
+
+    def endpoint(self) -> Endpoint:
+        port = self.config.port
+        return {
+            "qpn": self.qp_num,
+            "psn": self._psn,
+            "gid": self.config.gid,
+            "lid": port.lid,
+            "mtu": port.active_mtu,
+            "rd_atom": self._rd_atom,
+        }
+
+    def connect(self, remote: Endpoint) -> None:
+        qpn = _int_field(remote, "qpn", 1, (1 << 24) - 1)
+        psn = _int_field(remote, "psn", 0, (1 << 24) - 1)
+        lid = _int_field(remote, "lid", 0, 0xFFFF)
+        mtu = _int_field(remote, "mtu", 1, 5)
+        rd_atom = remote.get("rd_atom", 1)
+        gid = remote.get("gid")
+        try:
+            ipaddress.IPv6Address(str(gid))
+        except ValueError as exc:
+            raise InvalidArgument(f"remote endpoint has no valid 'gid': {gid!r}") from exc
+        cfg = self.config
+        limits = cfg.limits
+        init_rd = min(limits.max_qp_init_rd_atom, _MAX_RD_ATOM)
+        if isinstance(rd_atom, int) and not isinstance(rd_atom, bool) and rd_atom > 0:
+            init_rd = min(init_rd, rd_atom)
+        params = PathParams(
+            port=cfg.port.port,
+            sgid_index=cfg.gid_index,
+            dgid=str(gid),
+            dlid=lid,
+            is_global=cfg.port.link_layer == LINK_LAYER_ETHERNET or lid == 0,
+            dest_qp_num=qpn,
+            rq_psn=psn,
+            sq_psn=self._psn,
+            path_mtu=min(mtu, cfg.port.active_mtu),
+            max_dest_rd_atomic=self._rd_atom,
+            max_rd_atomic=max(1, init_rd),
+            timeout=max(0, min(cfg.timeout, 31)),
+            retry_cnt=max(0, min(cfg.retry_cnt, 7)),
+            rnr_retry=max(0, min(cfg.rnr_retry, 7)),
+        )
+        self.handle.connect(params)
+        log.debug("QP %d connected to QP %d (gid %s, mtu enum %d)", self.qp_num, qpn, gid, params.path_mtu)
+
+    def post_send(self, wrs: Sequence[WorkRequest]) -> None:
+        if not wrs:
+            return
+        for wr in wrs:
+            if not wr.sges or len(wr.sges) > self.max_sge:
+                raise InvalidArgument(f"work request {wr.wr_id} has {len(wr.sges)} SGEs (1..{self.max_sge})")
+            if not isinstance(wr.opcode, Opcode):
+                raise InvalidArgument(f"work request {wr.wr_id} has opcode {wr.opcode!r}")
+        ledger = self.ledger
+        if len(wrs) > ledger.free:
+            raise SendQueueFull(f"QP {self.qp_num}: {len(wrs)} requests, {ledger.free} of {ledger.depth} slots free")
+        if ledger.must_synthesize or self.closed:
+            ledger.refused(wrs, WcStatus.WR_FLUSH_ERR)
+            self.cq.wake()
+            return
+        taken, error = self.handle.post(wrs)
+        ledger.posted(wrs[:taken])
+        if error is None:
+            return
+        in_error = self._hw_state() in (QPS_ERR, QPS_SQE, None)
+        status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
+        log.warning(
+            "QP %d refused %d of %d requests (%s): completing them with %s",
+            self.qp_num,
+            len(wrs) - taken,
+            len(wrs),
+            error,
+            status.name,
+        )
+        ledger.refused(wrs[taken:], status)
+        if not in_error:
+            self.to_error()
+        self.cq.wake()
+
+    def to_error(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.handle.to_error()
+                return
+            except VerbsError as exc:
+                log.warning("QP %d: cannot move to ERR (%s): flushing from the ledger", self.qp_num, exc)
+        self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            with contextlib.suppress(VerbsError):
+                self.handle.to_error()
+            self.closed = True
+            self.ledger.closed = True
+            try:
+                self.handle.close()
+            finally:
+                if self.ledger.held:
+                    self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
+
+    def _hw_state(self) -> int | None:
+        with self.lock:
+            if self.closed:
+                return None
+            try:
+                return self.handle.query_state()
+            except VerbsError:
+                return None
