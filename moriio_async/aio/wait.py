@@ -35,12 +35,19 @@ async def waiting_for_transfer_complete(
     if not items:
         return
     pending = [t._future for t in items if not t.done()]
-    if pending:
-        await asyncio.wait(
-            pending,
-            timeout=timeout,
-            return_when=asyncio.FIRST_EXCEPTION if fail_fast else asyncio.ALL_COMPLETED,
-        )
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    return_when = asyncio.FIRST_EXCEPTION if fail_fast else asyncio.ALL_COMPLETED
+    while pending:
+        remaining = None if deadline is None else deadline - loop.time()
+        if remaining is not None and remaining <= 0:
+            break
+        done, still = await asyncio.wait(pending, timeout=remaining, return_when=return_when)
+        if fail_fast and any(f.exception() is not None for f in done):
+            break
+        # A loop whose timers have millisecond resolution (uvloop) may wake a hair
+        # early; going round again keeps the promise of no timeout before T.
+        pending = list(still)
     if any(not t.done() for t in items):
         drains = {id(t._drain): t._drain for t in items if not t.done() and t._drain is not None}
         for drain in drains.values():

@@ -11,6 +11,8 @@ until the test calls ``MockQueuePair.step(n)``, which makes completion timing
 a plain function of the test's own calls (no sleeps, no threads). Faults:
 ``fail_next(status)`` ends the next executed request with that status, and
 ``vanish()`` behaves like a dead peer (RETRY_EXC_ERR, then flushes).
+``extra={"silent_cq": True}`` makes completion queues raise no channel
+events, as a NIC that lost a wakeup would: only an explicit drain sees them.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def _address_of(view: memoryview) -> int:
 
 
 class MockCompletionQueue(CompletionQueue):
-    def __init__(self) -> None:
+    def __init__(self, silent: bool = False) -> None:
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._silent = silent
         self._entries: deque[WorkCompletion] = deque()
         self._armed = False
         self._lock = threading.Lock()
@@ -66,7 +69,7 @@ class MockCompletionQueue(CompletionQueue):
         with self._lock:
             self._entries.append(wc)
             fire, self._armed = self._armed, False
-        if fire:
+        if fire and not self._silent:
             os.eventfd_write(self._fd, 1)
 
     def poll(self, max_entries: int = 64) -> list[WorkCompletion]:
@@ -240,7 +243,7 @@ class MockBackend(Backend):
         return region.view[addr - region.addr : addr - region.addr + length]
 
     def create_cq(self, depth: int) -> CompletionQueue:
-        return MockCompletionQueue()
+        return MockCompletionQueue(silent=bool(self.options.extra.get("silent_cq", False)))
 
     def create_qp(self, cq: CompletionQueue) -> QueuePair:
         if not isinstance(cq, MockCompletionQueue):

@@ -1,0 +1,134 @@
+"""Bad input raises a clear error and posts nothing."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from moriio_async import (
+    Access,
+    EngineClosed,
+    InvalidArgument,
+    IOEngine,
+    IOEngineConfig,
+    MemoryDesc,
+    MemoryInUse,
+    SessionClosed,
+)
+
+from .conftest import Pair
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda s: s.read(0, 0, 0), "size 0 must be positive"),
+        (lambda s: s.write(0, 0, -5), "must be positive"),
+        (lambda s: s.read((1 << 20) - 10, 0, 11), "exceeds the local region"),
+        (lambda s: s.write(0, (1 << 20) - 1, 2), "exceeds the remote region"),
+        (lambda s: s.batch_read([0, 1], [0], [1, 1]), "list lengths differ"),
+        (lambda s: s.batch_write([0, 8, -8], [0, 8, 16], [8, 8, 8]), "block 2: offsets must be >= 0"),
+        (lambda s: s.batch_read([], [], []), "empty batch"),
+        (lambda s: s.read("0", 0, 1), "is str, not an integer"),
+    ],
+)
+async def test_bad_blocks_raise_and_post_nothing(pair: Pair, call: object, needle: str) -> None:
+    before = pair.session.statistics()
+    with pytest.raises(InvalidArgument) as info:
+        call(pair.session)  # type: ignore[operator]
+    assert needle in str(info.value)
+    assert pair.session.statistics() == before
+    assert pair.a.outstanding == 0
+
+
+async def test_a_bad_block_anywhere_in_a_batch_posts_none_of_it(pair: Pair) -> None:
+    offs = list(range(0, 100 * 64, 64))
+    with pytest.raises(InvalidArgument, match="block 99"):
+        pair.session.batch_write(offs, [*offs[:-1], 1 << 20], [64] * 100)
+    assert pair.session.statistics()["posted"] == 0
+
+
+@pytest.mark.parametrize(
+    ("buffer", "needle"),
+    [
+        (b"immutable", "read-only"),
+        (np.zeros((8, 8), dtype=np.uint8)[:, ::2], "not C-contiguous"),
+        (bytearray(), "empty"),
+        (object(), "does not support the buffer protocol"),
+    ],
+)
+async def test_unusable_buffers_are_refused(pair: Pair, buffer: object, needle: str) -> None:
+    with pytest.raises(InvalidArgument, match=needle):
+        pair.a.register_memory(buffer)
+
+
+async def test_accepted_buffer_kinds(pair: Pair) -> None:
+    m = mmap.mmap(-1, 4096)
+    try:
+        for buf in [bytearray(64), np.zeros((4, 4), dtype=np.float32), memoryview(bytearray(16)), m]:
+            desc = pair.a.register_memory(buf)
+            assert desc.length == memoryview(buf).nbytes  # type: ignore[arg-type]
+            pair.a.deregister_memory(desc)
+    finally:
+        m.close()
+
+
+async def test_duplicate_export_name_is_refused(pair: Pair) -> None:
+    with pytest.raises(InvalidArgument, match="already registered"):
+        pair.a.register_memory(bytearray(8), name="kv")
+
+
+async def test_access_rights_are_checked_locally(pair: Pair) -> None:
+    ro = pair.b.register_memory(bytearray(64), name="ro", access=Access.REMOTE_READ)
+    peer = await pair.a.connect(pair.b.address)
+    s = await pair.a.create_session(pair.desc_a, peer.memory["ro"])
+    with pytest.raises(InvalidArgument, match="REMOTE_WRITE"):
+        s.write(0, 0, 8)
+    await s.read(0, 0, 8)
+    assert ro.access == Access.REMOTE_READ
+
+
+async def test_closed_session_and_engine_refuse_work(pair: Pair) -> None:
+    await pair.session.close()
+    with pytest.raises(SessionClosed):
+        pair.session.read(0, 0, 1)
+    await pair.a.close()
+    with pytest.raises(EngineClosed):
+        pair.a.register_memory(bytearray(8))
+    with pytest.raises(EngineClosed):
+        await pair.a.connect(pair.b.address)
+
+
+async def test_unknown_descriptors_are_refused(pair: Pair) -> None:
+    foreign = MemoryDesc("a", pair.a.incarnation, "x", 0x1000, 64, 12345, Access.all())
+    with pytest.raises(InvalidArgument, match="not a live registration"):
+        pair.a.deregister_memory(foreign)
+    with pytest.raises(InvalidArgument, match="not a live registration"):
+        await pair.a.create_session(foreign, pair.session.remote)
+    ghost = MemoryDesc("nobody", 1, "kv", 0x1000, 64, 1, Access.all())
+    with pytest.raises(InvalidArgument, match="unknown peer engine"):
+        await pair.a.create_session(pair.desc_a, ghost)
+
+
+async def test_deregistering_memory_in_use_is_refused_until_transfers_end(held: Pair) -> None:
+    t = held.session.read(0, 0, 64)
+    with pytest.raises(MemoryInUse):
+        held.a.deregister_memory(held.desc_a)
+    release = held.a.loop.create_task(held.a.release_memory(held.desc_a, timeout=5))
+    held.session.channel.qp.step(1)  # type: ignore[attr-defined]
+    await t
+    await release
+    with pytest.raises(InvalidArgument):
+        held.session.read(0, 0, 1)
+
+
+async def test_bad_addresses_and_configs() -> None:
+    with pytest.raises(InvalidArgument):
+        IOEngineConfig(transfer_timeout=0)
+    with pytest.raises(InvalidArgument):
+        IOEngineConfig(port=70000)
+    async with IOEngine("x", IOEngineConfig(backend="mock")) as e:
+        with pytest.raises(InvalidArgument, match="host:port"):
+            await e.connect("nonsense")

@@ -1,0 +1,160 @@
+"""The deadline wait and the transfer's own semantics, on the mock backend where the test drives the NIC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+
+from moriio_async import (
+    StatusCode,
+    TransferError,
+    TransferFailed,
+    WcStatus,
+    waiting_for_transfer_complete,
+)
+from moriio_async.backends.mock import MockQueuePair
+
+from .conftest import Pair, make_pair
+
+
+def nic(p: Pair) -> MockQueuePair:
+    qp = p.session.channel.qp
+    assert isinstance(qp, MockQueuePair)
+    return qp
+
+
+async def test_wait_returns_once_all_succeeded(held: Pair) -> None:
+    ts = [held.session.read(i, i, 1) for i in range(5)]
+    assert all(t.InProgress() for t in ts)
+    asyncio.get_running_loop().call_soon(nic(held).step, 5)
+    await waiting_for_transfer_complete(ts, timeout=5)
+    assert all(t.Succeeded() for t in ts)
+
+
+async def test_timeout_lists_every_pending_transfer_and_they_go_on(held: Pair) -> None:
+    ts = [held.session.read(i, i, 1) for i in range(4)]
+    nic(held).step(1)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete(ts, timeout=0.2)
+    elapsed = loop.time() - start
+    assert 0.2 <= elapsed < 0.2 + 1.0
+    assert info.value.failed == []
+    assert sorted(e.transfer_id for e in info.value.timed_out) == [t.id for t in ts[1:]]
+    assert str(info.value).startswith("3/4 transfers failed:")
+    assert "adjust" not in str(info.value)  # hint lives on the member, not in every line
+    # A timeout is not a cancellation: the transfers are still held, pinned, and end later.
+    assert held.a.outstanding == 3
+    nic(held).step(3)
+    await waiting_for_transfer_complete(ts, timeout=5)
+    assert held.a.outstanding == 0
+
+
+async def test_completions_sitting_in_the_cq_are_not_called_timeouts() -> None:
+    a, b, p = await make_pair("mock", backend_extra={"silent_cq": True})
+    try:
+        ts = [p.session.read(i, i, 1) for i in range(3)]
+        # The NIC finished them all, but no channel event was raised.
+        assert not any(t.done() for t in ts)
+        await waiting_for_transfer_complete(ts, timeout=0.05)
+        assert all(t.Succeeded() for t in ts)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_failed_and_pending_are_accounted_exactly(held: Pair) -> None:
+    ok = held.session.read(0, 0, 1)
+    nic(held).step(1)
+    await ok
+    bad = held.session.read(0, 0, 1)
+    nic(held).fail_next(WcStatus.REM_ACCESS_ERR)
+    nic(held).step(1)
+    later = held.session.read(0, 0, 1)  # posted after the failure: must be flushed, never succeed
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete([ok, bad, later], timeout=0.2)
+    failed = {e.transfer_id: e for e in info.value.failed}
+    assert set(failed) == {bad.id, later.id}
+    assert failed[bad.id].wc_status is WcStatus.REM_ACCESS_ERR
+    assert failed[later.id].wc_status is WcStatus.WR_FLUSH_ERR or failed[later.id].code is StatusCode.ERR_RDMA_OP
+    assert info.value.timed_out == []
+    assert ok.Succeeded()
+
+
+async def test_fail_fast_raises_at_the_first_failure(held: Pair) -> None:
+    ts = [held.session.read(i, i, 1) for i in range(3)]
+    qp = nic(held)
+    loop = asyncio.get_running_loop()
+
+    def fail_first() -> None:
+        qp.fail_next(WcStatus.REM_ACCESS_ERR)
+        qp.step(1)
+
+    loop.call_later(0.01, fail_first)
+    start = loop.time()
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete(ts, timeout=30, fail_fast=True)
+    assert loop.time() - start < 5
+    assert next(e.transfer_id for e in info.value.failed) == ts[0].id
+    assert info.value.timed_out == []
+
+
+async def test_first_terminal_state_is_latched(held: Pair) -> None:
+    t = held.session.read(0, 0, 1)
+    nic(held).step(1)
+    await t
+    t._fail(StatusCode.ERR_BAD_STATE, "late failure")
+    t._account(WcStatus.REM_ACCESS_ERR)
+    assert t.Succeeded() and t.Code() == 0 and t.Message() == ""
+    await t
+
+
+async def test_cancelling_the_waiter_does_not_cancel_the_transfer(held: Pair) -> None:
+    t = held.session.read(0, 0, 1)
+    waiter = asyncio.get_running_loop().create_task(t.wait())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert t.InProgress() and held.a.outstanding == 1
+    nic(held).step(1)
+    await t
+    assert t.Succeeded()
+
+
+async def test_anyio_cancel_scope_leaves_the_transfer_running(held: Pair) -> None:
+    t = held.session.read(0, 0, 1)
+    with anyio.move_on_after(0.01) as scope:
+        await t
+    assert scope.cancelled_caught
+    assert t.InProgress()
+    nic(held).step(1)
+    await t
+    assert t.Succeeded()
+
+
+async def test_awaiting_a_failed_transfer_raises_transfer_failed(held: Pair) -> None:
+    t = held.session.read(0, 0, 1)
+    nic(held).fail_next(WcStatus.REM_ACCESS_ERR)
+    nic(held).step(1)
+    with pytest.raises(TransferFailed) as info:
+        await t
+    err = info.value
+    assert err.peer == "b" and err.local_offsets == (0,) and err.remote_offsets == (0,)
+    assert err.qp_num == held.session.statistics()["qp_num"]
+
+
+async def test_peer_vanishing_fails_oldest_with_retry_exceeded_then_flushes(held: Pair) -> None:
+    ts = [held.session.read(i, i, 1) for i in range(4)]
+    nic(held).vanish()
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete(ts, timeout=5)
+    statuses = [e.wc_status for e in sorted(info.value.failed, key=lambda e: e.transfer_id)]
+    assert statuses == [WcStatus.RETRY_EXC_ERR] + [WcStatus.WR_FLUSH_ERR] * 3
+
+
+async def test_empty_wait_returns_at_once() -> None:
+    await waiting_for_transfer_complete([], timeout=0)

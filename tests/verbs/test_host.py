@@ -1,0 +1,122 @@
+"""On a host without RDMA: backend "verbs" says why it cannot run and how to fix it; doctor agrees.
+
+Each check runs in a fresh interpreter with pyverbs blocked from importing
+(``sys.modules["pyverbs"] = None``), so it means the same on a machine that
+has pyverbs installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.environ.get("MORIIO_GUEST") == "1", reason="host-only: the guest has RDMA")
+
+BLOCK = "import sys; sys.modules['pyverbs'] = None\n"
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK + textwrap.dedent(code)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_open_backend_verbs_without_pyverbs_names_cause_and_fix() -> None:
+    result = _python(
+        """
+        from moriio_async.backends import open_backend
+        from moriio_async.backends.base import BackendOptions
+        from moriio_async.errors import BackendUnavailable
+        try:
+            open_backend("verbs", BackendOptions())
+        except BackendUnavailable as exc:
+            print(exc)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pyverbs cannot be imported" in result.stdout
+    assert "pip install moriio-async[verbs]" in result.stdout
+    assert "rdma-core >= 57" in result.stdout
+    assert "backend='tcp'" in result.stdout
+
+
+def test_backend_auto_falls_back_to_tcp_reason_logged() -> None:
+    result = _python(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        from moriio_async.backends import open_backend
+        from moriio_async.backends.base import BackendOptions
+        from moriio_async.errors import BackendUnavailable
+        try:
+            open_backend("auto", BackendOptions())
+        except Exception as exc:  # the tcp backend may be missing or fail: only the log line matters
+            print("tcp:", type(exc).__name__)
+        """
+    )
+    assert "verbs unavailable (pyverbs cannot be imported" in result.stderr
+
+
+@pytest.mark.skipif(os.path.exists("/dev/infiniband"), reason="this host has RDMA devices")
+def test_no_device_message_says_how_to_load_soft_roce() -> None:
+    try:
+        from moriio_async.backends.verbs import _pyverbs
+    except Exception:
+        pytest.skip("pyverbs is not importable here; the import path is covered above")
+    from moriio_async.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable) as info:
+        _pyverbs.list_devices()
+    assert "modprobe rdma_rxe && rdma link add rxe0 type rxe netdev eth0" in str(info.value)
+
+
+def test_probe_never_raises_and_reports_the_cause() -> None:
+    result = _python(
+        """
+        from moriio_async.backends.verbs import probe
+        report = probe()
+        print(report.pyverbs_version, report.error, report.hint, sep="|")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    version, error, hint = result.stdout.strip().split("|")
+    assert version == "None"
+    assert "pyverbs cannot be imported" in error
+    assert "pip install" in hint
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return _python(
+        f"""
+        import sys
+        from moriio_async.cli import main
+        sys.exit(main(["doctor", *{list(args)!r}]))
+        """
+    )
+
+
+def test_doctor_backend_verbs_fails_with_fix_lines() -> None:
+    result = _doctor("--backend", "verbs", "--no-loopback")
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout
+    assert "FAIL  pyverbs: pyverbs cannot be imported" in out
+    assert "fix: pip install moriio-async[verbs]" in out
+    assert "memlock limit" in out
+    assert out.rstrip().splitlines()[-1].startswith("result: backend=verbs cannot work")
+
+
+def test_doctor_backend_tcp_does_not_fail_on_missing_verbs() -> None:
+    result = _doctor("--backend", "tcp", "--no-loopback")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
+    assert "warn  pyverbs" in result.stdout
+
+
+def test_doctor_tcp_loopback_write() -> None:
+    result = _doctor("--backend", "tcp")
+    assert "tcp backend: loopback RDMA WRITE of 4096 bytes verified" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0

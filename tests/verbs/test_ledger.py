@@ -1,0 +1,80 @@
+"""The per-pair ledger: slot accounting, covering, and made-up completions stay in posting order."""
+
+from __future__ import annotations
+
+from moriio_async.backends.verbs.ledger import SendLedger
+from moriio_async.status import Opcode, WcStatus
+from moriio_async.work import Sge, WorkRequest
+
+
+def _wr(wr_id: int, *, signaled: bool = True, opcode: Opcode = Opcode.RDMA_WRITE, size: int = 64) -> WorkRequest:
+    return WorkRequest(wr_id, opcode, (Sge(0x1000, size, 1),), 0x2000, 2, signaled)
+
+
+def test_signaled_completion_covers_earlier_unsignaled_requests() -> None:
+    ledger = SendLedger(qp_num=7, depth=4)
+    ledger.posted([_wr(1, signaled=False), _wr(2, signaled=False), _wr(3)])
+    assert ledger.free == 1
+    wc = ledger.complete(3, WcStatus.SUCCESS, 0, 0)
+    assert wc is not None
+    assert (wc.wr_id, wc.status, wc.byte_len, wc.qp_num, wc.opcode) == (3, WcStatus.SUCCESS, 64, 7, Opcode.RDMA_WRITE)
+    assert ledger.free == 4
+
+
+def test_error_completion_keeps_the_posted_opcode_and_reports_no_bytes() -> None:
+    ledger = SendLedger(qp_num=7, depth=4)
+    ledger.posted([_wr(1, opcode=Opcode.RDMA_READ)])
+    wc = ledger.complete(1, WcStatus.REM_ACCESS_ERR, 0x55, 12345)
+    assert wc is not None
+    assert (wc.opcode, wc.byte_len, wc.vendor_err) == (Opcode.RDMA_READ, 0, 0x55)
+    assert ledger.errored
+
+
+def test_unknown_completion_is_dropped() -> None:
+    ledger = SendLedger(qp_num=7, depth=4)
+    ledger.posted([_wr(1)])
+    assert ledger.complete(99, WcStatus.SUCCESS, 0, 0) is None
+    assert ledger.outstanding == 1
+
+
+def test_kill_fails_everything_outstanding_in_order_then_ignores_the_hardware() -> None:
+    ledger = SendLedger(qp_num=3, depth=8)
+    ledger.posted([_wr(1, signaled=False), _wr(2, signaled=False), _wr(3)])
+    ledger.kill(WcStatus.FATAL_ERR)
+    assert ledger.free == 5  # made-up completions hold their slots until polled
+    out = ledger.take_synth(10)
+    assert [(w.wr_id, w.status) for w in out] == [
+        (1, WcStatus.FATAL_ERR),
+        (2, WcStatus.WR_FLUSH_ERR),
+        (3, WcStatus.WR_FLUSH_ERR),
+    ]
+    assert ledger.complete(3, WcStatus.WR_FLUSH_ERR, 0, 0) is None
+    assert ledger.free == 8
+
+
+def test_refused_posts_wait_for_earlier_hardware_completions() -> None:
+    ledger = SendLedger(qp_num=3, depth=8)
+    ledger.posted([_wr(1)])
+    ledger.refused([_wr(2), _wr(3)], WcStatus.WR_FLUSH_ERR)
+    assert ledger.must_synthesize
+    assert ledger.take_synth(10) == []  # wr 1 has not completed yet: order first
+    first = ledger.complete(1, WcStatus.WR_FLUSH_ERR, 0, 0)
+    assert first is not None
+    assert [w.wr_id for w in ledger.take_synth(10)] == [2, 3]
+    assert ledger.free == 8
+
+
+def test_after_an_error_made_up_completions_are_flushes() -> None:
+    ledger = SendLedger(qp_num=3, depth=8)
+    ledger.posted([_wr(1), _wr(2)])
+    ledger.complete(1, WcStatus.RETRY_EXC_ERR, 0, 0)
+    ledger.kill(WcStatus.FATAL_ERR)
+    assert [w.status for w in ledger.take_synth(10)] == [WcStatus.WR_FLUSH_ERR]
+
+
+def test_take_synth_respects_max_entries() -> None:
+    ledger = SendLedger(qp_num=3, depth=8)
+    ledger.refused([_wr(i) for i in range(5)], WcStatus.LOC_QP_OP_ERR)
+    assert [w.wr_id for w in ledger.take_synth(2)] == [0, 1]
+    assert ledger.held == 3
+    assert [w.status for w in ledger.take_synth(9)] == [WcStatus.WR_FLUSH_ERR] * 3
