@@ -1,0 +1,161 @@
+"""TCP backend throughput between two processes, beside a raw socket stream in the same run.
+
+    python benchmarks/tcp_throughput.py                      # full grid
+    python benchmarks/tcp_throughput.py --blocks 1M --depths 16 --json out.json
+
+For each block size and each number of transfers in flight, the initiator
+issues single-block ``read``s (then ``write``s) against a target process's
+registered buffer, keeping that many outstanding, and reports GB/s. The raw
+baseline moves the same bytes with ``sendall``/``recv_into`` between two
+processes over loopback with the same block size: the ceiling a TCP-carried
+one-sided transfer can reach on this machine. Both run in one invocation so
+their ratio is meaningful; absolute figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from moriio_async import IOEngine, IOEngineConfig, Session, Transfer
+
+UNITS = {"K": 1 << 10, "M": 1 << 20}
+
+
+def parse_size(text: str) -> int:
+    return int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].upper() in UNITS else int(text)
+
+
+# -- raw socket baseline -------------------------------------------------------------------------
+
+
+def _raw_sink(port: int, total: int, block: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        buf = memoryview(bytearray(block))
+        got = 0
+        while got < total:
+            n = s.recv_into(buf)
+            if not n:
+                break
+            got += n
+        s.sendall(b"k")
+
+
+def raw_stream(total: int, block: int) -> float:
+    """GB/s of one sendall/recv_into stream of ``total`` bytes in ``block``-sized sends."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        proc = mp.get_context("spawn").Process(target=_raw_sink, args=(port, total, block))
+        proc.start()
+        conn, _ = server.accept()
+        with conn:
+            payload = memoryview(bytearray(os.urandom(block)))
+            start = time.perf_counter()
+            sent = 0
+            while sent < total:
+                conn.sendall(payload)
+                sent += block
+            conn.recv(1)
+            elapsed = time.perf_counter() - start
+        proc.join()
+    return total / elapsed / 1e9
+
+
+# -- moriio_async ------------------------------------------------------------------------------
+
+
+def _target(size: int, backend: str, pipe: Any) -> None:
+    async def main() -> None:
+        buf = np.ones(size, dtype=np.uint8)
+        async with IOEngine("bench-target", IOEngineConfig(backend=backend)) as engine:
+            engine.register_memory(buf, name="kv")
+            pipe.send(engine.address)
+            await engine.recv_notification()
+
+    asyncio.run(main())
+
+
+async def windowed(session: Session, op: str, block: int, depth: int, total: int, region: int) -> float:
+    call = session.read if op == "read" else session.write
+    window: collections.deque[Transfer] = collections.deque()
+    slots = region // block
+    start = time.perf_counter()
+    for i in range(total // block):
+        off = (i % slots) * block
+        window.append(call(off, off, block))
+        if len(window) >= depth:
+            await window.popleft()
+    while window:
+        await window.popleft()
+    return total / (time.perf_counter() - start) / 1e9
+
+
+async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    region = max(args.blocks) * max(args.depths)
+    region = min(max(region, 64 << 20), 1 << 30)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_target, args=(region, args.backend, child))
+    proc.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        address = parent.recv()
+        local = np.zeros(region, dtype=np.uint8)
+        async with IOEngine("bench", IOEngineConfig(backend=args.backend, sq_depth=256)) as engine:
+            desc = engine.register_memory(local, name="kv")
+            peer = await engine.connect(address)
+            session = await engine.create_session(desc, peer.memory["kv"])
+            await windowed(session, "read", 1 << 20, 8, 64 << 20, region)  # warm-up
+            for block in args.blocks:
+                total = max(args.total, block * 16)
+                raw = raw_stream(total, block)
+                for depth in args.depths:
+                    row = {"block": block, "in_flight": depth, "raw_GBps": round(raw, 3)}
+                    for op in ("read", "write"):
+                        gbps = await windowed(session, op, block, depth, total, region)
+                        row[f"{op}_GBps"] = round(gbps, 3)
+                        row[f"{op}_vs_raw"] = round(gbps / raw, 3)
+                    rows.append(row)
+                    print(
+                        f"{block >> 10:>6} KiB  in flight {depth:>3}  raw {raw:6.2f}  "
+                        f"read {row['read_GBps']:6.2f} ({row['read_vs_raw']:.0%})  "
+                        f"write {row['write_GBps']:6.2f} ({row['write_vs_raw']:.0%})  GB/s",
+                        flush=True,
+                    )
+            await engine.notify("bench-target", b"done")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", nargs="+", default=["64K", "256K", "1M", "4M", "16M"])
+    parser.add_argument("--depths", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--total", type=parse_size, default=parse_size("256M"), help="bytes per measurement")
+    parser.add_argument("--backend", default="tcp")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    args.blocks = [parse_size(b) for b in args.blocks]
+    print(f"moriio_async {args.backend} backend vs raw socket loopback, python {sys.version.split()[0]}")
+    rows = asyncio.run(run_grid(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
