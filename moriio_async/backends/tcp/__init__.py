@@ -1,0 +1,35 @@
+"""The software TCP backend: a verbs-shaped NIC emulated with threads and sockets.
+
+Modules, one noun each: ``wire`` (headers and zero-copy socket loops),
+``regions`` (the region table and a NIC's checks), ``cq`` (completion queue
+with an eventfd channel), ``qp`` (queue-pair state, slots, in-order
+completion), ``initiator`` (the active side's sender and receiver threads),
+``responder`` (the passive side's thread), ``hooks`` (fault-injection seams),
+``backend`` (TcpBackend and its listener).
+"""
+
+from __future__ import annotations
+
+from ..base import Backend, BackendOptions
+from .backend import TcpBackend
+from .cq import TcpCompletionQueue
+from .hooks import Fault, Hooks
+from .qp import TcpQueuePair
+from .regions import TcpRegion
+from .wire import VendorErr
+
+__all__ = [
+    "Fault",
+    "Hooks",
+    "TcpBackend",
+    "TcpCompletionQueue",
+    "TcpQueuePair",
+    "TcpRegion",
+    "VendorErr",
+    "open_backend",
+]
+
+
+def open_backend(options: BackendOptions) -> Backend:
+    """Open a TCP backend: a data-plane listener on ``options.host``, port 0."""
+    return TcpBackend(options)
