@@ -16,7 +16,7 @@ from ..aio.channel import ChannelState, QpChannel, RequestSpec
 from ..aio.transfer import Transfer
 from ..core.plan import check_blocks, plan_segments
 from ..descriptors import MemoryDesc
-from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, SessionClosed, StalePeer
+from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
 from ..work import Sge
 from .memory import LocalRegion
@@ -134,7 +134,7 @@ class Session:
         except StalePeer as exc:
             self.stale = True
             self._fail_waiting(StatusCode.ERR_BAD_STATE, f"{self._stale_message()}: {exc}", _STALE_HINT)
-        except (ControlPlaneError, OSError) as exc:
+        except (MoriioError, OSError) as exc:
             self._fail_waiting(
                 StatusCode.ERR_RDMA_OP,
                 f"reconnecting to {self.peer} failed: {exc}",
