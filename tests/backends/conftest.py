@@ -1,0 +1,47 @@
+"""The backend conformance suite: plain synchronous tests, each run against every backend in
+MORIIO_TEST_BACKENDS (comma list, default "tcp"); MORIIO_TEST_BACKEND_OPTIONS (JSON) adds
+BackendOptions fields, e.g. ``{"device": "rxe0"}`` inside the Soft-RoCE guest.
+
+A test that exercises one backend's own machinery (the TCP backend's fault hooks, its
+completion queue internals) is marked ``only_backends("tcp", reason=...)`` and is skipped,
+with that reason, on the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from .harness import PairFactory, backend_names
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "only_backends(*names, reason): a backend-specific test, skipped on other backends"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend_name" in metafunc.fixturenames:
+        metafunc.parametrize("backend_name", backend_names())
+
+
+@pytest.fixture(autouse=True)
+def _only_backends(request: pytest.FixtureRequest) -> None:
+    marker = request.node.get_closest_marker("only_backends")
+    if marker is None or "backend_name" not in request.fixturenames:
+        return
+    name = request.getfixturevalue("backend_name")
+    if name not in marker.args:
+        pytest.skip(f"{name}: {marker.kwargs.get('reason', 'backend-specific test')}")
+
+
+@pytest.fixture
+def pairs(backend_name: str) -> Iterator[PairFactory]:
+    """``pairs(size_a, size_b, access_b=..., **BackendOptions fields)`` opens a connected pair."""
+    factory = PairFactory(backend_name)
+    try:
+        yield factory
+    finally:
+        factory.close()
