@@ -144,6 +144,6 @@ def test_stalled_peer_fails_after_retry_timeout(pairs: PairFactory) -> None:
         assert stall.entered.is_set()
         assert_peer_lost(wcs, 16)
         assert wcs[0].status is WcStatus.RETRY_EXC_ERR
-        assert elapsed <= 0.5 + 5.0, elapsed
+        assert elapsed <= 2 * 0.5 + 5.0, elapsed  # declared after one to two retry_timeouts of no progress
     finally:
         stall.release.set()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import time
+
 import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
 from moriio_async.backends.tcp import Fault, Hooks, VendorErr
+from moriio_async.backends.tcp.wire import peer_progress
 from moriio_async.errors import InvalidArgument, MoriioError
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import WorkRequest
 
-from .harness import PairFactory, digest, make_options, statuses, wr_ids
+from .harness import WAIT, PairFactory, digest, make_options, statuses, wr_ids
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -94,3 +99,37 @@ def test_passive_pair_refuses_posts(pairs: PairFactory) -> None:
     pair = pairs()
     with pytest.raises(InvalidArgument, match="passive"):
         pair.b.qp.post_send([WorkRequest(1, Opcode.RDMA_WRITE, (), pair.a.mr.addr, pair.a.mr.rkey)])
+
+
+def test_a_slow_target_is_not_a_dead_one(pairs: PairFactory) -> None:
+    """Each response comes well within retry_timeout, the whole batch takes longer: no RETRY_EXC_ERR."""
+
+    class Slow(Hooks):
+        def on_request(self, qp_num: int, opcode: int, rkey: int, remote_addr: int, length: int) -> None:
+            time.sleep(0.15)
+
+    pair = pairs(retry_timeout=0.5)
+    pair.b.qp.hooks = Slow()  # type: ignore[attr-defined]
+    wcs = pair.run([pair.write(i, 0, 4096, 0) for i in range(8)])  # ~1.2 s in all
+    assert set(statuses(wcs)) == {WcStatus.SUCCESS}
+
+
+def test_peer_progress_sees_acknowledged_bytes() -> None:
+    """The receive-timeout check: queued bytes buy one more timeout; then only acknowledged bytes count."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        with client, peer:
+            assert peer_progress(client, None)[1] is False  # nothing queued: silence is silence
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    client.send(bytes(1 << 16))
+            mark, progressing = peer_progress(client, None)
+            assert progressing and mark is not None
+            assert peer_progress(client, mark) == (mark, False)  # the peer reads nothing
+            peer.recv(1 << 20)
+            deadline = time.monotonic() + WAIT
+            while not peer_progress(client, mark)[1]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)

@@ -20,7 +20,7 @@ from ...status import Opcode, WcStatus
 from ..base import QpState
 from .hooks import Fault
 from .regions import TcpRegion
-from .wire import REQUEST, RESPONSE, PeerGone, VendorErr, drain, recv_exact, recv_scatter, send_all
+from .wire import REQUEST, RESPONSE, PeerGone, VendorErr, drain, peer_progress, recv_exact, recv_scatter, send_all
 
 if TYPE_CHECKING:
     from .qp import Entry, TcpQueuePair
@@ -186,12 +186,19 @@ def _recv_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
 
 def _recv_headers(sock: socket.socket, view: memoryview, limit: int, size: int) -> int:
     """Read at least one whole response header, at most ``limit`` bytes; a whole number of headers."""
-    try:
-        got = sock.recv_into(view, limit)
-    except BlockingIOError:
-        raise PeerGone(VendorErr.PEER_SILENT) from None
-    except OSError:
-        raise PeerGone(VendorErr.PEER_RESET) from None
+    acked: int | None = None
+    while True:
+        try:
+            got = sock.recv_into(view, limit)
+            break
+        except BlockingIOError:
+            # No response for retry_timeout. A peer still taking in a long WRITE's payload
+            # is not silent: wait on while the bytes it has acknowledged keep growing.
+            acked, progressing = peer_progress(sock, acked)
+            if not progressing:
+                raise PeerGone(VendorErr.PEER_SILENT) from None
+        except OSError:
+            raise PeerGone(VendorErr.PEER_RESET) from None
     if not got:
         raise PeerGone(VendorErr.PEER_CLOSED)
     partial = got % size

@@ -29,8 +29,10 @@ surfaces as EAGAIN, without any polling loop.
 from __future__ import annotations
 
 import enum
+import fcntl
 import socket
 import struct
+import termios
 from typing import Final, TypeVar, cast
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "VendorErr",
     "configure_data_socket",
     "drain",
+    "peer_progress",
     "recv_exact",
     "recv_scatter",
     "send_all",
@@ -59,6 +62,10 @@ REQUEST: Final = struct.Struct("<BBHIIIQQ")
 RESPONSE: Final = struct.Struct("<BBHIQ")
 
 SEQ_MASK: Final = 0xFFFFFFFF
+
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, the peer's cumulative acknowledgements.
+_TCPI_BYTES_ACKED: Final = struct.Struct("=Q")
+_TCPI_BYTES_ACKED_OFFSET: Final = 120
 
 _B = TypeVar("_B", bound=bytes | memoryview)
 
@@ -163,6 +170,28 @@ def send_all(sock: socket.socket, buffers: list[bytes | memoryview], total: int)
         raise PeerGone(VendorErr.SEND_TIMEOUT) from None
     except OSError:
         raise PeerGone(VendorErr.PEER_RESET) from None
+
+
+def peer_progress(sock: socket.socket, last: int | None) -> tuple[int | None, bool]:
+    """After a receive timeout: has the peer acknowledged more of our bytes since ``last``?
+
+    Returns the new mark and the verdict. With no earlier mark, bytes still
+    queued towards the peer count as progress for one more timeout, so a
+    stalled peer is declared within one to two ``retry_timeout``s. Uses
+    ``tcpi_bytes_acked`` (Linux TCP_INFO) and SIOCOUTQ; without them, no
+    progress is seen. Called only after a timeout, never on the hot path.
+    """
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+        if len(info) < _TCPI_BYTES_ACKED.size + _TCPI_BYTES_ACKED_OFFSET:
+            return None, False
+        acked: int = _TCPI_BYTES_ACKED.unpack_from(info, _TCPI_BYTES_ACKED_OFFSET)[0]
+        if last is not None:
+            return acked, acked != last
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return acked, queued > 0
+    except (OSError, AttributeError):
+        return None, False
 
 
 def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
