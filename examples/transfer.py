@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -84,14 +83,13 @@ async def run_initiator(args: argparse.Namespace) -> int:
     if size % block:
         print("size must be a multiple of the block size", file=sys.stderr)
         return 2
-    target = subprocess.Popen(
-        [sys.executable, __file__, "--role", "target", "--size-mib", str(args.size_mib), "--backend", args.backend],
-        stdout=subprocess.PIPE,
-        text=True,
+    target = await asyncio.create_subprocess_exec(
+        *[sys.executable, __file__, "--role", "target", "--size-mib", str(args.size_mib), "--backend", args.backend],
+        stdout=asyncio.subprocess.PIPE,
     )
     try:
         assert target.stdout is not None
-        hello = json.loads(target.stdout.readline())
+        hello = json.loads(await target.stdout.readline())
         print(f"target at {hello['address']} (backend {hello['backend']})", file=sys.stderr)
         local = np.zeros(size, dtype=np.uint8)
         async with IOEngine("initiator", IOEngineConfig(backend=args.backend)) as engine:
@@ -105,14 +103,14 @@ async def run_initiator(args: argparse.Namespace) -> int:
             np.bitwise_xor(local, 0x5A, out=local)
             await pipeline(sessions, "write", size, block, args.batch, args.in_flight, "batch_write")
             await engine.notify("target", b"write_done")
-        result = json.loads(target.stdout.readline())
-        ok = bool(result["verified"]) and target.wait(30) == 0
+        result = json.loads(await target.stdout.readline())
+        ok = bool(result["verified"]) and await asyncio.wait_for(target.wait(), 30) == 0
         print("OK: byte-identical both ways" if ok else "FAIL: target saw different bytes", file=sys.stderr)
         return 0 if ok else 1
     finally:
-        if target.poll() is None:
+        if target.returncode is None:
             target.kill()
-            target.wait()
+            await target.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
