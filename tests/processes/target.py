@@ -45,7 +45,7 @@ async def main(backend: str) -> None:
             elif cmd == "digest":
                 reply({"sha256": hashlib.sha256(buffers[msg["name"]]).hexdigest()})
             elif cmd == "block":
-                time.sleep(msg["seconds"])  # the event loop is blocked on purpose
+                time.sleep(msg["seconds"])  # noqa: ASYNC251 - the event loop is blocked on purpose
                 reply({"ok": True})
             elif cmd == "exit":
                 reply({"ok": True})
