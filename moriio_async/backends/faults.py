@@ -1,0 +1,308 @@
+"""Fault plans: which requests to hurt and how, as data, and the hooks that apply them to the TCP backend.
+
+A plan is a tuple of rules. A rule picks requests by queue pair and by
+position, and says what happens to them:
+
+``delay``
+    The request's completion comes ``seconds`` late (initiator side). A pair
+    completes in posting order, so the completions after it wait too.
+``status``
+    The request completes with ``status`` without being sent (initiator). A
+    failure puts the pair in the error state: every later request flushes.
+``drop``
+    The data connection is cut just before the request is sent (initiator),
+    as a crashed peer or a cut cable would: the oldest outstanding request
+    fails with RETRY_EXC_ERR, the rest flush.
+``stall``
+    When the request arrives, the target stops answering with the socket
+    open, for ``seconds`` (0: until ``PlanHooks.release``). Past the
+    initiator's ``retry_timeout`` the request fails with RETRY_EXC_ERR.
+``kill``
+    The target process dies (SIGKILL) when the request arrives. Only a
+    process that owns nothing else may do that: see ``PlanHooks(on_kill=)``.
+
+``qp`` counts queue pairs in the order this side first sees a request on
+them (0 is the first; a pair that replaces a failed one gets the next
+number); ``wr`` counts requests on that pair in posting order, from 0.
+``None`` in either means every one. For one session the target counts the
+same pairs and requests as the initiator. A plan is JSON::
+
+    {"rules": [{"action": "status", "qp": 0, "wr": 3, "status": "REM_ACCESS_ERR"}]}
+
+Nothing here uses asyncio: the hooks run on the backend's NIC threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, final
+
+from ..errors import InvalidArgument
+from ..status import WcStatus
+from ..work import WorkRequest
+from .tcp.hooks import Fault, Hooks
+
+__all__ = ["Action", "Applied", "FaultPlan", "FaultRule", "PlanHooks"]
+
+
+class Action(enum.StrEnum):
+    DELAY = "delay"
+    STATUS = "status"
+    DROP = "drop"
+    STALL = "stall"
+    KILL = "kill"
+
+    @property
+    def at_target(self) -> bool:
+        """Applied by the target (the passive side) rather than by the initiator."""
+        return self in (Action.STALL, Action.KILL)
+
+
+_RULE_KEYS = {"action", "qp", "wr", "seconds", "status"}
+
+
+def _index(data: Mapping[str, Any], name: str) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"fault rule field {name!r} must be null or an integer >= 0, not {value!r}")
+    return value
+
+
+def _status(value: object) -> WcStatus:
+    try:
+        if isinstance(value, str):
+            return WcStatus[value.upper()]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return WcStatus(value)
+    except (KeyError, ValueError):
+        pass
+    raise InvalidArgument(f"fault rule status {value!r} is not an ibv_wc_status name or number")
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class FaultRule:
+    """One fault: ``action`` on request ``wr`` of queue pair ``qp`` (None: every one)."""
+
+    action: Action
+    qp: int | None = None
+    wr: int | None = None
+    seconds: float = 0.0
+    """``delay``: how late; ``stall``: how long (0: until released)."""
+    status: WcStatus = WcStatus.REM_ACCESS_ERR
+    """``status``: the status the request completes with."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, Action):
+            raise InvalidArgument(f"unknown fault action {self.action!r}")
+        if not (math.isfinite(self.seconds) and self.seconds >= 0):
+            raise InvalidArgument(f"fault rule seconds must be finite and >= 0, not {self.seconds!r}")
+        if self.action is Action.STATUS and self.status is WcStatus.SUCCESS:
+            raise InvalidArgument("a status fault needs an error status, not SUCCESS")
+
+    def matches(self, qp: int, wr: int) -> bool:
+        return (self.qp is None or self.qp == qp) and (self.wr is None or self.wr == wr)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"action": self.action.value, "qp": self.qp, "wr": self.wr}
+        if self.action in (Action.DELAY, Action.STALL):
+            data["seconds"] = self.seconds
+        if self.action is Action.STATUS:
+            data["status"] = self.status.name
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FaultRule:
+        if not isinstance(data, Mapping):
+            raise InvalidArgument(f"a fault rule is a JSON object, not {data!r}")
+        unknown = set(data) - _RULE_KEYS
+        if unknown:
+            raise InvalidArgument(f"unknown fault rule field(s) {sorted(unknown)}; known: {sorted(_RULE_KEYS)}")
+        try:
+            action = Action(str(data.get("action")))
+        except ValueError:
+            raise InvalidArgument(
+                f"fault action {data.get('action')!r} is not one of {[a.value for a in Action]}"
+            ) from None
+        seconds = data.get("seconds", 0.0)
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise InvalidArgument(f"fault rule seconds must be a number, not {seconds!r}")
+        status = _status(data["status"]) if "status" in data else WcStatus.REM_ACCESS_ERR
+        return cls(action, _index(data, "qp"), _index(data, "wr"), float(seconds), status)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    """An ordered set of rules; at each seam the first rule that matches a request applies."""
+
+    rules: tuple[FaultRule, ...] = ()
+    about: str = ""
+    """What the plan shows, for people (printed by ``moriio-async faults``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.rules))
+
+    @property
+    def kills(self) -> bool:
+        return any(r.action is Action.KILL for r in self.rules)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"rules": [r.to_dict() for r in self.rules]}
+        if self.about:
+            data["about"] = self.about
+        return data
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps())
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FaultPlan:
+        if not isinstance(data, Mapping) or not isinstance(data.get("rules", []), list):
+            raise InvalidArgument('a fault plan is a JSON object {"rules": [...], "about": "..."}')
+        unknown = set(data) - {"rules", "about"}
+        if unknown:
+            raise InvalidArgument(f"unknown fault plan field(s) {sorted(unknown)}")
+        about = data.get("about", "")
+        if not isinstance(about, str):
+            raise InvalidArgument("fault plan 'about' must be a string")
+        return cls(tuple(FaultRule.from_dict(r) for r in data.get("rules", [])), about)
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> FaultPlan:
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"a fault plan must be JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> FaultPlan:
+        return cls.loads(Path(path).read_text())
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """A record that a rule fired: on which pair and request, and what it did."""
+
+    action: Action
+    qp: int
+    wr: int
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class _Counter:
+    """Pair numbers in order of first sight, and requests seen per pair."""
+
+    pairs: dict[int, int] = field(default_factory=dict)
+    requests: dict[int, int] = field(default_factory=dict)
+
+    def next(self, qp_num: int) -> tuple[int, int]:
+        qp = self.pairs.setdefault(qp_num, len(self.pairs))
+        wr = self.requests.get(qp_num, 0)
+        self.requests[qp_num] = wr + 1
+        return qp, wr
+
+
+@final
+class PlanHooks(Hooks):
+    """Applies a ``FaultPlan`` at the TCP backend's seams. Use one instance per backend.
+
+    ``on_kill`` is what a ``kill`` rule calls; a plan with kill rules is
+    refused without it, so a test process never kills itself by accident.
+    ``release()`` ends every stall, present and future; call it before
+    closing a backend whose responder may be stalled (closing joins it).
+    """
+
+    def __init__(
+        self,
+        plan: FaultPlan,
+        *,
+        on_kill: Callable[[], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if plan.kills and on_kill is None:
+            raise InvalidArgument(
+                "this fault plan kills the target process: run it with `moriio-async faults`, "
+                "which gives the target a process of its own"
+            )
+        self.plan = plan
+        self._on_kill = on_kill
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        self._sent = _Counter()
+        self._served = _Counter()
+        self._positions: dict[tuple[int, int], tuple[int, int]] = {}
+        self._applied: list[Applied] = []
+
+    @property
+    def applied(self) -> list[Applied]:
+        """Every rule that fired, in the order it fired."""
+        with self._lock:
+            return list(self._applied)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _match(self, qp: int, wr: int, actions: Iterable[Action]) -> FaultRule | None:
+        wanted = set(actions)
+        return next((r for r in self.plan.rules if r.action in wanted and r.matches(qp, wr)), None)
+
+    def _record(self, rule: FaultRule, qp: int, wr: int, detail: str = "") -> None:
+        with self._lock:
+            self._applied.append(Applied(rule.action, qp, wr, detail))
+
+    # -- the seams (NIC threads) ---------------------------------------------------------
+
+    def on_send(self, qp_num: int, wr: WorkRequest) -> WcStatus | Fault | None:
+        with self._lock:
+            qp, n = self._sent.next(qp_num)
+            self._positions[qp_num, wr.wr_id] = (qp, n)
+        rule = self._match(qp, n, (Action.DROP, Action.STATUS))
+        if rule is None:
+            return None
+        if rule.action is Action.DROP:
+            self._record(rule, qp, n)
+            return Fault.DROP
+        self._record(rule, qp, n, rule.status.name)
+        return rule.status
+
+    def on_response(self, qp_num: int, wr: WorkRequest, status: WcStatus) -> WcStatus | Fault | None:
+        with self._lock:
+            where = self._positions.pop((qp_num, wr.wr_id), None)
+        if where is None:
+            return None
+        rule = self._match(*where, (Action.DELAY,))
+        if rule is not None:
+            self._record(rule, *where, f"{rule.seconds:g}s")
+            self._sleep(rule.seconds)
+        return None
+
+    def on_request(self, qp_num: int, opcode: int, rkey: int, remote_addr: int, length: int) -> Fault | None:
+        with self._lock:
+            qp, n = self._served.next(qp_num)
+        rule = self._match(qp, n, (Action.STALL, Action.KILL))
+        if rule is None:
+            return None
+        if rule.action is Action.KILL:
+            self._record(rule, qp, n)
+            assert self._on_kill is not None
+            self._on_kill()
+            return Fault.DROP  # on_kill returned: the closest thing left is a dead connection
+        self._record(rule, qp, n, f"{rule.seconds:g}s" if rule.seconds else "until released")
+        self._released.wait(rule.seconds or None)
+        return None
