@@ -29,7 +29,8 @@ async def waiting_for_transfer_complete(
     ``TransferFailed`` per failed transfer and a ``TransferTimeout`` per
     transfer still pending at the deadline; timed-out transfers go on, and
     their buffers stay pinned until they end. With ``fail_fast`` the wait
-    ends at the first failure, listing the failures only.
+    ends at the first failure, listing the failures only; if it reaches its
+    deadline first, it lists the timed-out transfers too.
     """
     items = [transfers] if isinstance(transfers, Transfer) else list(dict.fromkeys(transfers))
     if not items:
@@ -38,12 +39,14 @@ async def waiting_for_transfer_complete(
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     return_when = asyncio.FIRST_EXCEPTION if fail_fast else asyncio.ALL_COMPLETED
+    ended_by_failure = False
     while pending:
         remaining = None if deadline is None else deadline - loop.time()
         if remaining is not None and remaining <= 0:
             break
         done, still = await asyncio.wait(pending, timeout=remaining, return_when=return_when)
         if fail_fast and any(f.exception() is not None for f in done):
+            ended_by_failure = True
             break
         # A loop whose timers have millisecond resolution (uvloop) may wake a hair
         # early; going round again keeps the promise of no timeout before T.
@@ -53,8 +56,10 @@ async def waiting_for_transfer_complete(
         for drain in drains.values():
             drain()
     failed: list[TransferFailed] = [e for t in items if (e := t.error()) is not None]
-    if fail_fast and failed:
+    if ended_by_failure:
         raise TransferError.build(failed, [], len(items))
+    # Past this point the wait ran to its deadline (or everything ended): a failure that only the
+    # final drain found must not hide the transfers still pending, fail_fast or not.
     timed_out = [TransferTimeout(t.id, timeout or 0.0, peer=t.peer) for t in items if not t.done()]
     if failed or timed_out:
         raise TransferError.build(failed, timed_out, len(items))
