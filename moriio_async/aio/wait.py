@@ -39,8 +39,9 @@ async def waiting_for_transfer_complete(
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     return_when = asyncio.FIRST_EXCEPTION if fail_fast else asyncio.ALL_COMPLETED
-    ended_by_failure = False
-    while pending:
+    # With fail_fast, a failure known before the wait began ends it at once, like one seen while waiting.
+    ended_by_failure = fail_fast and any(t.error() is not None for t in items)
+    while pending and not ended_by_failure:
         remaining = None if deadline is None else deadline - loop.time()
         if remaining is not None and remaining <= 0:
             break
