@@ -72,9 +72,7 @@ class VirtualClock:
         ]
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for undo in reversed(self._undo):
             undo()
         self._undo = []

@@ -10,13 +10,17 @@ order, transfer after transfer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
 from moriio_async import Session, Transfer, WcStatus
 from moriio_async.backends.mock import MockQueuePair
+
+from ..engine.conftest import Pair, make_pair
 
 ERRORS = [
     WcStatus.REM_ACCESS_ERR,
@@ -110,7 +114,9 @@ def post_batch(session: Session, wrs_per_transfer: Sequence[int]) -> list[Transf
     for i, k in enumerate(wrs_per_transfer):
         offs = [(base + j) * 2 * BLOCK for j in range(k)]
         base += k
-        out.append(session.batch_read(offs, offs, [BLOCK] * k) if i % 2 else session.batch_write(offs, offs, [BLOCK] * k))
+        out.append(
+            session.batch_read(offs, offs, [BLOCK] * k) if i % 2 else session.batch_write(offs, offs, [BLOCK] * k)
+        )
     return out
 
 
@@ -129,3 +135,41 @@ def observed(t: Transfer) -> WcStatus | None:
     err = t.error()
     assert err is not None and err.wc_status is not None
     return err.wc_status
+
+
+@contextlib.asynccontextmanager
+async def held_pair(silent: bool = False, **config: object) -> AsyncIterator[Pair]:
+    """Two mock engines whose NIC runs a request only when the test steps it."""
+    a, b, p = await make_pair("mock", backend_extra={"hold": True, "silent_cq": silent}, **config)
+    try:
+        yield p
+    finally:
+        await a.close()
+        await b.close()
+
+
+@contextlib.asynccontextmanager
+async def engine_pair(backend: str, **config: object) -> AsyncIterator[Pair]:
+    a, b, p = await make_pair(backend, **config)
+    try:
+        yield p
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def settle(rounds: int = 3) -> None:
+    """Let the completion reader run (each round is one loop iteration)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+async def run_until_done(session: Session, ts: Sequence[Transfer], limit: float = 10.0) -> None:
+    """Step whatever queue pair the session has now (it may reconnect meanwhile) until ``ts`` end."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit
+    while not all(t.done() for t in ts):
+        assert loop.time() < give_up, f"transfers still running after {limit}s: {list(ts)}"
+        held_qp(session).step(1 << 20)
+        session._engine._drain()  # a silent completion queue raises no event
+        await asyncio.sleep(0.001)

@@ -12,6 +12,7 @@ loaded machine runs a step late.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
@@ -54,6 +55,8 @@ class Scenario:
     t_virtual: float
     t_real: float
     extra_depth: int = 0
+    settle: bool = False
+    """Let the reader see the ``first`` steps before the wait begins (transfers already ended)."""
 
 
 scenarios = st.builds(
@@ -66,6 +69,7 @@ scenarios = st.builds(
     t_virtual=st.floats(0.5, 60),
     t_real=st.floats(0.02, 0.06),
     extra_depth=st.integers(0, 8),
+    settle=st.booleans(),
 )
 
 
@@ -81,6 +85,8 @@ class Result:
     """Each transfer's state the moment the wait returned or raised."""
     expected: dict[int, WcStatus | None]
     """The model's state after the steps that had run by then."""
+    failed_before: bool
+    """Some transfer had already failed when the wait began."""
     final: dict[int, WcStatus | None] = field(default_factory=dict)
     expected_final: dict[int, WcStatus | None] = field(default_factory=dict)
 
@@ -118,6 +124,10 @@ async def run(sc: Scenario) -> Result:
 
             for step in sc.first:
                 act(step)
+            if sc.settle:
+                for _ in range(3):
+                    await asyncio.sleep(0)
+            failed_before = any(t.Failed() for t in ts)
             start = loop.time()
             handles = [loop.call_at(start + t.offset(timeout, clock.virtual), act, t.step) for t in sc.timed]
             error = None
@@ -130,14 +140,12 @@ async def run(sc: Scenario) -> Result:
             expected = {t.id: model.outcome(i) for i, t in enumerate(ts)}
             for h in handles:
                 h.cancel()
-        result = Result(ts, timeout, start, end, clock.virtual, error, at_return, expected)
+        result = Result(ts, timeout, start, end, clock.virtual, error, at_return, expected, failed_before)
         # A timeout is not a cancellation: the rest still runs, and waiting again gives real outcomes.
         act(NicStep("run", total))
-        try:
+        with contextlib.suppress(TransferError):
             # A silent CQ wakes nobody: only the wait's own drain at its deadline sees these.
             await waiting_for_transfer_complete(ts, timeout=0.01 if sc.silent else 10)
-        except TransferError:
-            pass
         result.final = {t.id: observed(t) for t in ts}
         result.expected_final = {t.id: model.outcome(i) for i, t in enumerate(ts)}
         return result

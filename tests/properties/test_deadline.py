@@ -23,11 +23,14 @@ from .scenario import Scenario, run, scenarios
 async def test_deadline_is_kept_however_completions_are_scheduled(sc: Scenario) -> None:
     """waiting_for_transfer_complete(ts, timeout=T) never returns or raises later than T plus a small
     bound, however completions are scheduled, and never raises a timeout before T; it returns before T
-    only when every transfer has ended, or with fail_fast when a failure came first."""
+    only when every transfer has ended, or with fail_fast when a failure came first (at once when the
+    failure came before the wait)."""
     r = await run(sc)
     assert r.elapsed <= r.timeout + r.bound, f"returned {r.elapsed - r.timeout:.3f}s after the deadline"
     if r.error is not None and r.error.timed_out:
         assert r.deadline_reached, f"timeout declared {r.timeout - r.elapsed:.6f}s before the deadline"
+    if sc.fail_fast and r.failed_before:
+        assert r.elapsed <= r.bound, "fail_fast waited although a transfer had already failed"
     if not r.deadline_reached:
         ended = all(s is not None for s in r.at_return.values())
         failed_first = sc.fail_fast and any(s not in (None, WcStatus.SUCCESS) for s in r.at_return.values())
