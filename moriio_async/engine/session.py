@@ -41,6 +41,21 @@ class Session:
         self.closed = False
         self.stale = False
         self._reconnect_task: asyncio.Task[None] | None = None
+        # Both descriptors are immutable: decide once what each operation may do.
+        self._denied = {
+            Opcode.RDMA_READ: (
+                "RDMA READ needs LOCAL_WRITE access on the local region"
+                if not local.desc.access & Access.LOCAL_WRITE
+                else f"remote region {remote.name!r} does not allow REMOTE_READ"
+                if not remote.access & Access.REMOTE_READ
+                else ""
+            ),
+            Opcode.RDMA_WRITE: (
+                f"remote region {remote.name!r} does not allow REMOTE_WRITE"
+                if not remote.access & Access.REMOTE_WRITE
+                else ""
+            ),
+        }
 
     @property
     def local(self) -> MemoryDesc:
@@ -81,13 +96,9 @@ class Session:
         if not self._local.live:
             raise InvalidArgument("the session's local region was deregistered")
         local, remote = self._local.desc, self.remote
-        if opcode is Opcode.RDMA_READ:
-            if not local.access & Access.LOCAL_WRITE:
-                raise InvalidArgument("RDMA READ needs LOCAL_WRITE access on the local region")
-            if not remote.access & Access.REMOTE_READ:
-                raise InvalidArgument(f"remote region {remote.name!r} does not allow REMOTE_READ")
-        elif not remote.access & Access.REMOTE_WRITE:
-            raise InvalidArgument(f"remote region {remote.name!r} does not allow REMOTE_WRITE")
+        denied = self._denied[opcode]
+        if denied:
+            raise InvalidArgument(denied)
         lo_i, ro_i, sz_i = check_blocks(lo, ro, sz, local.length, remote.length)
         qp = self.channel.qp
         segments = plan_segments(lo_i, ro_i, sz_i, max_sge=qp.max_sge, max_wr_bytes=engine.config.max_wr_bytes)
