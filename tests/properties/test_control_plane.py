@@ -1,0 +1,180 @@
+"""The control plane: hostile frames never kill the listener or leave half a peer behind."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import struct
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moriio_async import IOEngine, waiting_for_transfer_complete
+
+from .conftest import backends, slow_examples
+from .model import engine_pair
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+OPS = ["hello", "connect_qp", "close_qp", "memory", "notify", "error", "qp", "ok", "nope"]
+
+
+def engine_dict(key: str) -> st.SearchStrategy[dict[str, Any]]:
+    valid = st.fixed_dictionaries(
+        {
+            "kind": st.just("EngineDesc"),
+            "key": st.just(key),
+            "host": st.sampled_from(["127.0.0.1", "::1", ""]),
+            "port": st.integers(0, 65535),
+            "incarnation": st.integers(0, 2**63),
+            "backend": st.sampled_from(["mock", "tcp", "verbs"]),
+        }
+    )
+    return st.one_of(valid, valid.flatmap(lambda d: mutate(d)))
+
+
+def mutate(d: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.builds(
+        lambda key, value, drop: {k: v for k, v in {**d, key: value}.items() if k != drop},
+        st.sampled_from(sorted(d)),
+        json_values,
+        st.sampled_from([None, *sorted(d)]),
+    )
+
+
+endpoints = st.one_of(
+    json_values,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "backend": st.sampled_from(["tcp", "mock", "verbs"]),
+            "token": st.one_of(st.text(max_size=40), st.binary(max_size=16).map(bytes.hex)),
+            "accepting": st.booleans(),
+            "host": st.sampled_from(["127.0.0.1", "::1"]),
+            "port": st.integers(0, 65535),
+            "qp_num": json_values,
+        },
+    ),
+)
+
+
+def request(rid: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {"op": st.sampled_from(OPS), "id": rid},
+        optional={
+            "incarnation": st.one_of(json_values, st.integers(0, 2**63)),
+            "endpoint": endpoints,
+            "qp": json_values,
+            "data": st.one_of(st.text(max_size=12), st.binary(max_size=12).map(lambda b: b.hex())),
+            "re": json_values,
+            "engine": json_values,
+        },
+    )
+
+
+def frame(obj: object) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("!I", len(body)) + body
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> tuple[bytes, str]:
+    """Bytes a hostile client sends, and how it leaves ("close", "half", "wait")."""
+    kind = draw(st.sampled_from(["raw", "frames", "hello+frames", "hello+frames"]))
+    if kind == "raw":
+        data = draw(st.binary(max_size=64))
+    else:
+        parts = []
+        if kind == "hello+frames":
+            key = draw(st.text("xyz", min_size=1, max_size=3))  # never a legitimate engine's key
+            parts.append(frame({"op": "hello", "id": draw(st.integers(0, 5)), "engine": draw(engine_dict(key))}))
+        for msg in draw(st.lists(request(st.one_of(st.integers(0, 9), json_values)), max_size=4)):
+            parts.append(frame(msg))
+        if draw(st.booleans()):
+            raw = draw(st.binary(max_size=16))
+            parts.append(raw if draw(st.booleans()) else struct.pack("!I", draw(st.integers(0, 2**32 - 1))) + raw)
+        data = b"".join(parts)
+        if data and draw(st.booleans()):
+            cut = draw(st.integers(0, len(data) - 1))
+            data = data[:cut] if draw(st.booleans()) else data[:cut] + bytes([data[cut] ^ 0x55]) + data[cut + 1 :]
+    return data, draw(st.sampled_from(["close", "half", "wait"]))
+
+
+async def hostile(address: str, data: bytes, leave: str) -> None:
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        if leave == "half":
+            writer.write_eof()
+        if leave in ("half", "wait"):
+            try:
+                await asyncio.wait_for(reader.read(1 << 16), 0.05)
+            except (TimeoutError, ConnectionError):
+                pass
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except ConnectionError:
+            pass
+
+
+async def settled_links(engine: IOEngine, baseline: int, limit: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit
+    while len(engine._links) > baseline and loop.time() < give_up:
+        await asyncio.sleep(0.005)
+
+
+@settings(max_examples=slow_examples(25))
+@given(st.lists(conversations(), min_size=1, max_size=3))
+@backends()
+async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(
+    backend: str, talks: list[tuple[bytes, str]]
+) -> None:
+    """Random and mutated control frames (garbage, bad lengths, bad JSON, hellos with broken
+    descriptors, requests of every op with random fields, cut or corrupted streams) never kill the
+    listener, never raise into the event loop, and leave no half-registered peer: once the hostile
+    connection is gone, no link, answering queue pair or channel of it remains, and legitimate
+    peers still connect, make sessions and move data."""
+    async with engine_pair(backend, control_timeout=1.0) as p:
+        baseline_links = len(p.b._links)
+        baseline_channels = dict(p.b._channels)
+        for data, leave in talks:
+            await hostile(p.b.address, data, leave)
+        await settled_links(p.b, baseline_links)
+        gc.collect()  # a task that died with an exception reports it to the loop when collected
+        assert len(p.b._links) == baseline_links, "a hostile connection's link outlived it"
+        assert p.b._channels == baseline_channels
+        for key, peer in p.b._peers.items():
+            if key != "a":
+                assert peer.link is None or peer.link.closed, f"hostile peer {key!r} still has a link"
+                assert not peer.passive_qps, f"hostile peer {key!r} still has answering queue pairs"
+        # The listener still serves, and the legitimate peer still works end to end.
+        info = await p.a.connect(p.b.address)
+        session = await p.a.create_session(p.desc_a, info.memory["kv"])
+        p.buf_b[:64] = 0x5A
+        await waiting_for_transfer_complete([session.read(0, 0, 64), p.session.read(64, 64, 64)], timeout=10)
+        assert (p.buf_a[:64] == 0x5A).all()
+        await session.close()
+
+
+@backends()
+async def test_a_hello_whose_engine_is_not_an_object_is_refused_cleanly(backend: str) -> None:
+    """Found by the property above: a hello whose "engine" is a number raised AttributeError out of the
+    accept callback (into the event loop) and left the hostile link registered for good."""
+    async with engine_pair(backend, control_timeout=1.0) as p:
+        baseline = len(p.b._links)
+        await hostile(p.b.address, frame({"op": "hello", "id": 0, "engine": 1}), "wait")
+        await settled_links(p.b, baseline)
+        assert len(p.b._links) == baseline
+        await p.a.connect(p.b.address)
