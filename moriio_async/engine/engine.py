@@ -316,7 +316,10 @@ class IOEngine:
                 return
             if first.get("op") != "hello" or not isinstance(first.get("id"), int):
                 raise ControlPlaneError("the first control frame must be a hello request")
-            desc = EngineDesc.from_dict(first.get("engine") or {})
+            engine = first.get("engine")
+            if not isinstance(engine, dict):
+                raise ControlPlaneError("the hello request carries no engine descriptor object")
+            desc = EngineDesc.from_dict(engine)
         except (ControlPlaneError, InvalidArgument, OSError) as exc:
             log.warning("control handshake from %s refused: %s", link.peer_address, exc)
             with contextlib.suppress(Exception):
