@@ -147,3 +147,20 @@ def test_stalled_peer_fails_after_retry_timeout(pairs: PairFactory) -> None:
         assert elapsed <= 2 * 0.5 + 5.0, elapsed  # declared after one to two retry_timeouts of no progress
     finally:
         stall.release.set()
+
+
+def test_unsignaled_requests_to_a_dead_peer_still_fail(pairs: PairFactory) -> None:
+    """No success completion is asked for, yet a vanished peer is still reported, in order."""
+    pair = pairs(8 << 20, 8 << 20, retry_timeout=1.0, sq_depth=64)
+    n = 32
+    pair.a.qp.post_send([pair.write(i, i * CHUNK, CHUNK, i * CHUNK, signaled=False) for i in range(n)])
+    pair.b.qp.close()
+    pair.b.backend.close()
+    pair.a.qp.post_send([pair.write(n, 0, CHUNK, 0)])  # the one signaled request
+    wcs: list[WorkCompletion] = []
+    deadline = time.monotonic() + dead_peer_deadline(pair.options) + WAIT
+    while not wcs or wcs[-1].wr_id != n:
+        wcs += pair.waiter.wait_some(timeout=max(0.0, deadline - time.monotonic()))
+    first = wcs[0].wr_id
+    assert wr_ids(wcs) == list(range(first, n + 1)), "a failure or flush went missing"
+    assert statuses(wcs) == [WcStatus.RETRY_EXC_ERR] + [WcStatus.WR_FLUSH_ERR] * (n - first)

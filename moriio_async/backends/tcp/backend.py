@@ -69,7 +69,8 @@ class TcpBackend(Backend):
 
     def deregister_memory(self, region: MemoryRegion) -> None:
         """Invalidate the region. Waits while a socket call is moving its bytes right now
-        (normally microseconds; at worst ``retry_timeout`` against a stalled peer)."""
+        (normally microseconds; against a stalled peer, until the pair gives up on it:
+        one to two ``retry_timeout``s)."""
         self.regions.deregister(region)
 
     def create_cq(self, depth: int) -> CompletionQueue:

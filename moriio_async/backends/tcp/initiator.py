@@ -14,13 +14,26 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...status import Opcode, WcStatus
 from ..base import QpState
 from .hooks import Fault
 from .regions import TcpRegion
-from .wire import REQUEST, RESPONSE, PeerGone, VendorErr, drain, peer_progress, recv_exact, recv_scatter, send_all
+from .wire import (
+    FLAG_ACK,
+    REQUEST,
+    RESPONSE,
+    PeerGone,
+    VendorErr,
+    advance,
+    drain,
+    peer_progress,
+    recv_exact,
+    recv_scatter,
+    send_all,
+)
 
 if TYPE_CHECKING:
     from .qp import Entry, TcpQueuePair
@@ -36,6 +49,7 @@ SCRATCH = 1 << 16
 
 _RTS = QpState.RTS
 _WRITE = int(Opcode.RDMA_WRITE)
+_READ = int(Opcode.RDMA_READ)
 
 
 def start_initiator(qp: TcpQueuePair, sock: socket.socket) -> list[threading.Thread]:
@@ -115,6 +129,7 @@ def _send_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
         total = 0
         pinned: list[TcpRegion] = []
         stop = False
+        last, last_at = batch[0], 0
         try:
             for e in batch:
                 wr = e.wr
@@ -136,12 +151,24 @@ def _send_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
                     stop = True
                     break
                 e.sent = True
-                iov.append(pack(wr.opcode, 0, 0, e.seq, wr.rkey, 0, wr.remote_addr, e.length))
+                # A successful WRITE is acknowledged only when signaled (or hooked, so
+                # on_response sees every request); the target runs requests in order,
+                # so a later response vouches for it, and a failure is always answered.
+                e.acked = e.is_read or wr.signaled or hooks is not None
+                last, last_at = e, len(iov)
+                iov.append(pack(wr.opcode, FLAG_ACK if e.acked else 0, 0, e.seq, wr.rkey, 0, wr.remote_addr, e.length))
                 total += header
                 if not e.is_read:
                     iov.extend(e.views)
                     total += e.length
             if iov:
+                if not last.acked:
+                    # The batch's last request is always answered: then every request on
+                    # the wire has a response coming after it, which the receiver's
+                    # silence timeout (a dead peer) relies on.
+                    last.acked = True
+                    wr = last.wr
+                    iov[last_at] = pack(wr.opcode, FLAG_ACK, 0, last.seq, wr.rkey, 0, wr.remote_addr, last.length)
                 send_all(sock, iov, total)
         except PeerGone as exc:
             qp.peer_lost(exc.vendor)
@@ -167,45 +194,104 @@ def _recv_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
             if qp.state != _RTS:
                 return
             # Read several responses at once only while they are WRITE acks: a READ's
-            # payload follows its header, and must go straight into its SGEs.
+            # payload follows its header, and must go straight into its SGEs. Count
+            # only requests that will be answered (never read past a READ's header).
             n = 0
+            first: Entry | None = None
             for e in inflight:
-                n += 1
-                if e.is_read or not e.sent or n == LOOKAHEAD:
-                    break
+                if e.acked or not e.sent:
+                    first = first or e
+                    n += 1
+                    if e.is_read or not e.sent or n == LOOKAHEAD:
+                        break
         try:
-            got = _recv_headers(sock, view, n * size, size)
+            if n == 1 and first is not None and first.is_read and first.sent:
+                # The next response is this READ's (or a failure, after which nothing
+                # follows): header and payload in one scatter read.
+                done = _recv_read_response(qp, sock, first, view[:size])
+                if done is None:
+                    return
+                if done:
+                    if not _on_response(qp, sock, scratch, *unpack(buf), payload_done=True):
+                        return
+                    continue
+            got = _recv_headers(sock, view, max(n, 1) * size, size)
             for i in range(got // size):
-                op, status, vendor, seq, length = unpack(buf, i * size)
-                if not _on_response(qp, sock, scratch, op, status, vendor, seq, length):
+                if not _on_response(qp, sock, scratch, *unpack(buf, i * size)):
                     return
         except PeerGone as exc:
             qp.peer_lost(exc.vendor)
             return
 
 
-def _recv_headers(sock: socket.socket, view: memoryview, limit: int, size: int) -> int:
-    """Read at least one whole response header, at most ``limit`` bytes; a whole number of headers."""
+def _first_recv(sock: socket.socket, call: Callable[[], int]) -> int:
+    """Run one receive call that waits for the peer's next response; at least one byte.
+
+    On a receive timeout (retry_timeout with nothing) a peer still taking in a
+    long WRITE's payload is not silent: wait on while the bytes it has
+    acknowledged keep growing. Raises PeerGone.
+    """
     acked: int | None = None
     while True:
         try:
-            got = sock.recv_into(view, limit)
-            break
+            got = call()
         except BlockingIOError:
-            # No response for retry_timeout. A peer still taking in a long WRITE's payload
-            # is not silent: wait on while the bytes it has acknowledged keep growing.
             acked, progressing = peer_progress(sock, acked)
             if not progressing:
                 raise PeerGone(VendorErr.PEER_SILENT) from None
+            continue
         except OSError:
             raise PeerGone(VendorErr.PEER_RESET) from None
-    if not got:
-        raise PeerGone(VendorErr.PEER_CLOSED)
+        if not got:
+            raise PeerGone(VendorErr.PEER_CLOSED)
+        return got
+
+
+def _recv_headers(sock: socket.socket, view: memoryview, limit: int, size: int) -> int:
+    """Read at least one whole response header, at most ``limit`` bytes; a whole number of headers."""
+    got = _first_recv(sock, lambda: sock.recv_into(view, limit))
     partial = got % size
     if partial:
         recv_exact(sock, view[got : got + size - partial])
         got += size - partial
     return got
+
+
+def _recv_read_response(qp: TcpQueuePair, sock: socket.socket, e: Entry, header: memoryview) -> bool | None:
+    """Receive READ ``e``'s response header into ``header`` and its payload into its SGEs.
+
+    True: the header is in ``header`` and, if it announces ``e``'s payload, the
+    payload has landed. False: a local region is gone, nothing was read (the
+    caller takes the ordinary path, which drains the payload). None: the pair
+    left RTS. Raises PeerGone.
+    """
+    size = len(header)
+    with qp.rx_lock:
+        if qp.state != _RTS:
+            return None
+        pinned: list[TcpRegion] = []
+        try:
+            for region in e.regions:
+                if not region.pin():
+                    return False
+                pinned.append(region)
+            buffers = [header, *e.views]
+            got = _first_recv(sock, lambda: sock.recvmsg_into(buffers)[0])
+            if got < size:
+                recv_exact(sock, header[got:])
+                got = size
+            op, status, _vendor, seq, length = RESPONSE.unpack_from(header)
+            if not status and op == _READ and seq == e.seq and length == e.length:
+                if got - size < length:
+                    recv_scatter(sock, advance(e.views, got - size), length - (got - size))
+            elif got > size:
+                # Payload bytes after a failure or a response that is not e's: the peer
+                # broke the protocol; _on_response fails the pair on the header.
+                RESPONSE.pack_into(header, 0, 0xFF, 0, 0, 0, 0)
+        finally:
+            for region in pinned:
+                region.unpin()
+    return True
 
 
 def _on_response(
@@ -217,13 +303,29 @@ def _on_response(
     vendor: int,
     seq: int,
     length: int,
+    *,
+    payload_done: bool = False,
 ) -> bool:
-    """Complete the head request from its response; False when the receiver should stop."""
+    """Complete the request ``seq`` names, and the unanswered WRITEs before it; False to stop.
+
+    ``payload_done``: a READ's payload was already received with its header.
+    """
     with qp.lock:
         if qp.state != _RTS:
             return False
-        head = qp.inflight[0] if qp.inflight else None
-        if head is None or seq != head.seq or op != head.wr.opcode:
+        inflight = qp.inflight
+        head = inflight[0] if inflight else None
+        while head is not None and head.seq != seq:
+            # Answered out of turn? Only a WRITE that asked for no answer may be passed:
+            # it succeeded, since the target runs requests in order and answers failures.
+            if head.preset is not None or not head.sent or head.acked:
+                head = None
+                break
+            inflight.popleft()
+            qp.complete_ok_locked(head)
+            qp.drain_presets_locked()
+            head = inflight[0] if inflight else None
+        if head is None or op != head.wr.opcode:
             qp.fail_locked(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
             return False
         if not status and op == _WRITE and qp.hooks is None:
@@ -240,7 +342,7 @@ def _on_response(
             if length != head.length:
                 qp.fail(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
                 return False
-            err = _recv_read_payload(qp, sock, head, scratch)
+            err = None if payload_done else _recv_read_payload(qp, sock, head, scratch)
             if err is not None:
                 wc_status, vendor = WcStatus.LOC_PROT_ERR, err
     hooks = qp.hooks

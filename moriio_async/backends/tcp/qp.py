@@ -51,7 +51,7 @@ MAX_SGE = 256  # one request's gather list must fit one sendmsg (IOV_MAX 1024) w
 class Entry:
     """One posted request."""
 
-    __slots__ = ("is_read", "length", "preset", "regions", "sent", "seq", "views", "wr")
+    __slots__ = ("acked", "is_read", "length", "preset", "regions", "sent", "seq", "views", "wr")
 
     def __init__(self, wr: WorkRequest, seq: int, length: int) -> None:
         self.wr = wr
@@ -59,6 +59,7 @@ class Entry:
         self.length = length
         self.is_read = wr.opcode is Opcode.RDMA_READ
         self.sent = False  # set by the sender before the request is written; never unset
+        self.acked = False  # the target answers it (set with ``sent``; a READ always is)
         self.preset: tuple[WcStatus, int] | None = None
         self.views: list[memoryview] = []
         self.regions: list[TcpRegion] = []

@@ -5,8 +5,9 @@ Deregistration races with requests being served on other threads. A region is
 ``RegionTable.deregister`` first marks it dead (no new pin succeeds, and its
 keys are gone from the table), then waits for the pins to drop. So once
 deregistration returns, no byte of the buffer is read or written again. The
-wait is as long as one in-progress socket call, which the kernel socket
-timeout (``retry_timeout``) bounds even against a stalled peer.
+wait is as long as one in-progress socket call (a READ's response is
+received with its region pinned), which the silence timeout bounds even
+against a stalled peer (one to two ``retry_timeout``s).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from ...status import Opcode, WcStatus
 from .hooks import Fault
 from .wire import (
+    FLAG_ACK,
     HELLO,
     HELLO_ACK,
     MAGIC,
@@ -124,7 +125,7 @@ class Responder:
         pack = RESPONSE.pack
         rsize = RESPONSE.size
         while self._read_header(sock, header_view):
-            op, _flags, _r16, seq, rkey, _r32, addr, length = unpack(header)
+            op, flags, _r16, seq, rkey, _r32, addr, length = unpack(header)
             hooks = qp.hooks
             if hooks is not None and (hooks.on_request(qp.qp_num, op, rkey, addr, length) is Fault.DROP):
                 return
@@ -149,7 +150,7 @@ class Responder:
                     send_all(sock, [response, region.view[offset : offset + length]], rsize + length)
             finally:
                 region.unpin()
-            if op == _WRITE:
+            if op == _WRITE and flags & FLAG_ACK:
                 send_all(sock, [pack(op, 0, 0, seq, length)], rsize)
 
     def _read_header(self, sock: socket.socket, view: memoryview) -> bool:

@@ -9,15 +9,20 @@ responses, one per request, in request order (RC)::
     hello-ack  (passive -> active, once)   12 bytes  "<4sHHI"
         magic, version, status (HelloStatus), passive qp_num
     request    (active -> passive)         32 bytes  "<BBHIIIQQ"
-        opcode (Opcode value), flags=0, reserved, seq, rkey, reserved,
-        remote_addr, length; an RDMA WRITE's ``length`` payload bytes follow
+        opcode (Opcode value), flags (FLAG_ACK), reserved, seq, rkey,
+        reserved, remote_addr, length; an RDMA WRITE's ``length`` payload
+        bytes follow
     response   (passive -> active)         16 bytes  "<BBHIQ"
         opcode, status (WcStatus value: SUCCESS or REM_ACCESS_ERR), vendor_err,
         seq, length; a successful RDMA READ's ``length`` payload bytes follow
 
-``seq`` is the request's posting number modulo 2**32; the initiator checks
-that responses come in order. After an error response the passive side
-executes nothing more on that connection: it drains until the peer closes.
+``seq`` is the request's posting number modulo 2**32. Every READ and every
+failed request is answered; a successful WRITE only if it carries FLAG_ACK
+(the initiator sets it on signaled WRITEs and on the last request of each
+batch it sends), so a response also vouches for the unanswered WRITEs
+before it, as RC coalesces ACKs. Responses come in request order. After an
+error response the passive side executes nothing more on that connection:
+it drains until the peer closes.
 
 Payload bytes never pass through a Python ``bytes``: senders hand the region's
 memoryviews to ``sendmsg`` and receivers ``recv_into`` the region's memoryview.
@@ -36,6 +41,7 @@ import termios
 from typing import Final, TypeVar, cast
 
 __all__ = [
+    "FLAG_ACK",
     "HELLO",
     "HELLO_ACK",
     "MAGIC",
@@ -45,6 +51,7 @@ __all__ = [
     "HelloStatus",
     "PeerGone",
     "VendorErr",
+    "advance",
     "configure_data_socket",
     "drain",
     "peer_progress",
@@ -62,6 +69,8 @@ REQUEST: Final = struct.Struct("<BBHIIIQQ")
 RESPONSE: Final = struct.Struct("<BBHIQ")
 
 SEQ_MASK: Final = 0xFFFFFFFF
+FLAG_ACK: Final = 0x01
+"""Request flag: answer this WRITE even when it succeeds."""
 
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked, the peer's cumulative acknowledgements.
 _TCPI_BYTES_ACKED: Final = struct.Struct("=Q")
@@ -150,7 +159,7 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
                 raise PeerGone(VendorErr.PEER_CLOSED)
             total -= n
             if total:
-                views = _advance(views, n)
+                views = advance(views, n)
     except BlockingIOError:
         raise PeerGone(VendorErr.PEER_SILENT) from None
     except OSError:
@@ -165,7 +174,7 @@ def send_all(sock: socket.socket, buffers: list[bytes | memoryview], total: int)
             total -= n
             if not total:
                 return
-            buffers = _advance(buffers, n)
+            buffers = advance(buffers, n)
     except BlockingIOError:
         raise PeerGone(VendorErr.SEND_TIMEOUT) from None
     except OSError:
@@ -202,7 +211,7 @@ def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
         nbytes -= len(chunk)
 
 
-def _advance(buffers: list[_B], n: int) -> list[_B]:
+def advance(buffers: list[_B], n: int) -> list[_B]:
     """``buffers`` without their first ``n`` bytes (slicing views, copying nothing)."""
     i = 0
     while n >= len(buffers[i]):
