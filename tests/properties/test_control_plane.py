@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import struct
@@ -114,24 +115,20 @@ async def hostile(address: str, data: bytes, leave: str) -> None:
         if leave == "half":
             writer.write_eof()
         if leave in ("half", "wait"):
-            try:
+            with contextlib.suppress(TimeoutError, ConnectionError):
                 await asyncio.wait_for(reader.read(1 << 16), 0.05)
-            except (TimeoutError, ConnectionError):
-                pass
     except ConnectionError:
         pass
     finally:
         writer.close()
-        try:
+        with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
-        except ConnectionError:
-            pass
 
 
 async def settled_links(engine: IOEngine, baseline: int, limit: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
     give_up = loop.time() + limit
-    while len(engine._links) > baseline and loop.time() < give_up:
+    while len(engine._links) > baseline and loop.time() < give_up:  # noqa: ASYNC110 (polls engine state)
         await asyncio.sleep(0.005)
 
 
@@ -176,5 +173,36 @@ async def test_a_hello_whose_engine_is_not_an_object_is_refused_cleanly(backend:
         baseline = len(p.b._links)
         await hostile(p.b.address, frame({"op": "hello", "id": 0, "engine": 1}), "wait")
         await settled_links(p.b, baseline)
+        assert len(p.b._links) == baseline
+        await p.a.connect(p.b.address)
+
+
+@backends()
+async def test_a_hello_from_a_client_that_hangs_up_at_once_is_dropped_cleanly(backend: str) -> None:
+    """A valid hello whose sender closes the connection right away: answering it must not raise into
+    the event loop (uvloop raises RuntimeError writing to a closed transport), and no link remains."""
+    async with engine_pair(backend, control_timeout=1.0) as p:
+        baseline = len(p.b._links)
+        hello = {"kind": "EngineDesc", "key": "x", "host": "127.0.0.1", "port": 1, "incarnation": 1, "backend": backend}
+        for _ in range(20):
+            await hostile(p.b.address, frame({"op": "hello", "id": 1, "engine": hello}), "close")
+        await settled_links(p.b, baseline)
+        gc.collect()
+        assert len(p.b._links) == baseline
+        await p.a.connect(p.b.address)
+
+
+@backends()
+async def test_a_bad_frame_from_a_client_that_hangs_up_at_once_is_dropped_cleanly(backend: str) -> None:
+    """After the hello, a malformed frame whose sender closes at once: the error reply finds the
+    transport closed (uvloop raises RuntimeError there); the link's reader must end quietly."""
+    async with engine_pair(backend, control_timeout=1.0) as p:
+        baseline = len(p.b._links)
+        hello = {"kind": "EngineDesc", "key": "x", "host": "127.0.0.1", "port": 1, "incarnation": 1, "backend": backend}
+        for _ in range(20):
+            data = frame({"op": "hello", "id": 1, "engine": hello}) + struct.pack("!I", 5) + b"nope!"
+            await hostile(p.b.address, data, "close")
+        await settled_links(p.b, baseline)
+        gc.collect()
         assert len(p.b._links) == baseline
         await p.a.connect(p.b.address)
