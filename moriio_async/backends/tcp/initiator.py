@@ -63,10 +63,10 @@ def start_initiator(qp: TcpQueuePair, sock: socket.socket) -> list[threading.Thr
     return threads
 
 
-def _guard(qp: TcpQueuePair, loop: object, sock: socket.socket) -> None:
+def _guard(qp: TcpQueuePair, loop: Callable[[TcpQueuePair, socket.socket], None], sock: socket.socket) -> None:
     """Run a NIC loop; an unexpected error becomes completions, never a thread exception."""
     try:
-        loop(qp, sock)  # type: ignore[operator]
+        loop(qp, sock)
     except BaseException:
         log.exception("tcp qp %d: NIC thread failed", qp.qp_num)
         qp.fail(WcStatus.GENERAL_ERR, 0)
@@ -103,17 +103,18 @@ def _take_batch(qp: TcpQueuePair) -> list[Entry] | None:
             qp.send_cv.wait()
         if qp.state != _RTS:
             return None
-        batch = [to_send.popleft()]
-        niov = 1 + len(batch[0].wr.sges)
-        nbytes = batch[0].length
+        e = to_send.popleft()
+        batch = [e]
+        niov = 1 + len(e.wr.sges)
+        nbytes = 0 if e.is_read else e.length  # bytes this side sends
         while to_send and nbytes < BATCH_BYTES:
-            k = 1 + len(to_send[0].wr.sges)
+            e = to_send[0]
+            k = 1 + len(e.wr.sges)
             if niov + k > IOV_LIMIT:
                 break
-            e = to_send.popleft()
-            batch.append(e)
+            batch.append(to_send.popleft())
             niov += k
-            nbytes += e.length
+            nbytes += 0 if e.is_read else e.length
         return batch
 
 
