@@ -15,7 +15,8 @@ What each seam can do:
   delays this request and everything posted after it.
 * ``on_response`` (initiator, a response arrived, before it completes):
   sleep to delay the completion, return a ``WcStatus`` to complete with
-  instead, or ``Fault.DROP``.
+  instead, or ``Fault.DROP``. A pair with hooks asks the target to answer
+  every request (no coalesced acks), so this sees each one.
 * ``on_request`` (target, before serving one request): block to stall the
   peer (stop answering, socket open; the initiator sees silence), or
   ``Fault.DROP`` to close the connection.

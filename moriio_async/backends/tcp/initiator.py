@@ -4,7 +4,8 @@ The sender takes posted requests in order, checks their local SGEs, and
 writes each as one header plus (for a WRITE) the source memoryviews, batching
 several requests into one ``sendmsg``. The receiver reads responses in order,
 scatters READ payloads straight into the local SGEs, and completes requests
-at the head of the pair's ``inflight`` deque. Both block in socket calls that
+from the head of the pair's ``inflight`` deque (a response also completes
+the unanswered successful WRITEs before it: acks are coalesced). Both block in socket calls that
 release the GIL; both exit when the pair leaves RTS (the error path shuts the
 socket down, which wakes them).
 """
