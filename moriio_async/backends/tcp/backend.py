@@ -15,7 +15,7 @@ import socket
 import threading
 from typing import Any, ClassVar
 
-from ...errors import EngineClosed, InvalidArgument
+from ...errors import BackendUnavailable, EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
 from .cq import TcpCompletionQueue
@@ -52,11 +52,16 @@ class TcpBackend(Backend):
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind((options.host, 0))
             self._listener.listen(128)
-        except OSError:
+            self.port: int = self._listener.getsockname()[1]
+            # Peers dial what endpoint() says: a wildcard bind advertises this host's address.
+            wildcard = options.host in _WILDCARDS
+            self.host = socket.gethostbyname(socket.gethostname()) if wildcard else options.host
+        except OSError as exc:
             self._listener.close()
-            raise
-        self.port: int = self._listener.getsockname()[1]
-        self.host = options.host if options.host not in _WILDCARDS else socket.gethostbyname(socket.gethostname())
+            raise BackendUnavailable(
+                f"tcp backend: cannot listen on {options.host!r}: {exc}",
+                hint="set BackendOptions.host (IOEngineConfig.host) to an address of this machine",
+            ) from exc
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"moriio-tcp-accept-{self.port}")
         self._accept_thread.daemon = True
         self._accept_thread.start()
