@@ -330,8 +330,9 @@ def _on_response(
         if head is None or op != head.wr.opcode:
             qp.fail_locked(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
             return False
-        if not status and op == _WRITE and qp.hooks is None:
-            # The hot path: a WRITE ack, completed under the one lock acquisition.
+        if not status and (op == _WRITE or payload_done) and qp.hooks is None:
+            # The hot path: a WRITE ack, or a READ whose payload has landed (checked by
+            # _recv_read_response), completed under the one lock acquisition.
             qp.inflight.popleft()
             qp.complete_ok_locked(head)
             qp.drain_presets_locked()
