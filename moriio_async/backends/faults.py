@@ -109,6 +109,18 @@ class FaultRule:
         if self.action is Action.STATUS and self.status is WcStatus.SUCCESS:
             raise InvalidArgument("a status fault needs an error status, not SUCCESS")
 
+    def describe(self) -> str:
+        what = {
+            Action.DELAY: f"delay the completion {self.seconds:g}s",
+            Action.STATUS: f"complete with {self.status.name}",
+            Action.DROP: "drop the connection",
+            Action.STALL: f"stall the target {f'{self.seconds:g}s' if self.seconds else 'until released'}",
+            Action.KILL: "kill the target process",
+        }[self.action]
+        req = "every request" if self.wr is None else f"request {self.wr}"
+        pair = "every queue pair" if self.qp is None else f"queue pair {self.qp}"
+        return f"{what} at {req} of {pair}"
+
     def matches(self, qp: int, wr: int) -> bool:
         return (self.qp is None or self.qp == qp) and (self.wr is None or self.wr == wr)
 
@@ -155,6 +167,10 @@ class FaultPlan:
     @property
     def kills(self) -> bool:
         return any(r.action is Action.KILL for r in self.rules)
+
+    def side(self, *, target: bool) -> FaultPlan:
+        """The rules one side applies (stall and kill at the target, the rest at the initiator)."""
+        return FaultPlan(tuple(r for r in self.rules if r.action.at_target == target), self.about)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"rules": [r.to_dict() for r in self.rules]}
