@@ -186,11 +186,21 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def register_memory(self, buffer: memoryview, access: Access) -> MemoryRegion:
-        """Register a writable, C-contiguous, byte-formatted view (the caller checked it)."""
+        """Register a writable, C-contiguous, byte-formatted view (the caller checked it).
+
+        REMOTE_WRITE without LOCAL_WRITE raises ``InvalidArgument``, as
+        ``ibv_reg_mr`` refuses it (EINVAL), so no backend accepts what another refuses.
+        """
 
     @abc.abstractmethod
     def deregister_memory(self, region: MemoryRegion) -> None:
-        """Invalidate the region: later remote requests on it fail with REM_ACCESS_ERR."""
+        """Invalidate the region: later remote requests on it fail with REM_ACCESS_ERR.
+
+        Once it returns, no request reads or writes the buffer again. It may
+        wait, briefly, for a request moving the region's bytes right now
+        (as ``ibv_dereg_mr`` does); the runtime avoids that by deregistering
+        only regions with nothing in flight.
+        """
 
     @abc.abstractmethod
     def create_cq(self, depth: int) -> CompletionQueue:
