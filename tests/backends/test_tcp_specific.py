@@ -6,11 +6,12 @@ import contextlib
 import socket
 import time
 
+import numpy as np
 import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
-from moriio_async.backends.tcp import Fault, Hooks, VendorErr
+from moriio_async.backends.tcp import Fault, Hooks, TcpQueuePair, VendorErr
 from moriio_async.backends.tcp.wire import peer_progress
 from moriio_async.errors import InvalidArgument, MoriioError
 from moriio_async.status import Opcode, WcStatus
@@ -133,3 +134,36 @@ def test_peer_progress_sees_acknowledged_bytes() -> None:
             while not peer_progress(client, mark)[1]:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
+
+
+def test_doorbell_writes_the_socket_would_not_take_finish_on_the_sender(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """post_send writes small requests itself (MSG_DONTWAIT); a partial write is finished by the sender thread."""
+    from moriio_async.backends.tcp import initiator, qp
+
+    partial = []
+
+    def counting(q: TcpQueuePair, sock: socket.socket) -> None:
+        initiator.send_inline(q, sock)
+        partial.append(q.tx_pending is not None)
+
+    monkeypatch.setattr(qp, "send_inline", counting)
+    pair = pairs(8 << 20, 8 << 20, sq_depth=64)
+    active = pair.a.qp
+    assert isinstance(active, TcpQueuePair)
+    active._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # type: ignore[union-attr]
+    pair.a.buf[:] = np.random.default_rng(3).integers(0, 256, len(pair.a.buf), dtype=np.uint8)
+    chunk, n, done = 40 << 10, 200, 0
+    posted = 0
+    while done < n:
+        while posted < n and posted - done < active.max_send_wr:
+            off = posted * chunk
+            active.post_send([pair.write(posted, off, chunk, off)])  # one at a time: the doorbell path
+            posted += 1
+        wcs = pair.waiter.wait_some()
+        assert [wc.wr_id for wc in wcs] == list(range(done, done + len(wcs)))
+        assert {wc.status for wc in wcs} == {WcStatus.SUCCESS}
+        done += len(wcs)
+    assert any(partial), "the socket took every doorbell write whole: the partial path was not exercised"
+    assert np.array_equal(pair.b.buf[: n * chunk], pair.a.buf[: n * chunk])

@@ -39,7 +39,7 @@ from .wire import (
 if TYPE_CHECKING:
     from .qp import Entry, TcpQueuePair
 
-__all__ = ["start_initiator"]
+__all__ = ["send_inline", "start_initiator"]
 
 log = logging.getLogger("moriio_async.tcp")
 
@@ -96,90 +96,154 @@ def _resolve(qp: TcpQueuePair, e: Entry, pinned: list[TcpRegion]) -> VendorErr |
     return None
 
 
-def _take_batch(qp: TcpQueuePair) -> list[Entry] | None:
-    """Wait for posted requests; None once the pair has left RTS."""
+def _take_batch(qp: TcpQueuePair) -> list[Entry]:
+    """The next requests to send, in order (the caller holds ``tx_lock``); maybe none."""
     with qp.lock:
         to_send = qp.to_send
-        while not to_send and qp.state == _RTS:
-            qp.send_cv.wait()
-        if qp.state != _RTS:
-            return None
-        e = to_send.popleft()
-        batch = [e]
-        niov = 1 + len(e.wr.sges)
-        nbytes = 0 if e.is_read else e.length  # bytes this side sends
+        batch: list[Entry] = []
+        niov = nbytes = 0
         while to_send and nbytes < BATCH_BYTES:
             e = to_send[0]
             k = 1 + len(e.wr.sges)
-            if niov + k > IOV_LIMIT:
+            if batch and niov + k > IOV_LIMIT:
                 break
             batch.append(to_send.popleft())
             niov += k
-            nbytes += 0 if e.is_read else e.length
+            nbytes += 0 if e.is_read else e.length  # bytes this side sends
         return batch
 
 
-def _send_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
+def _build(
+    qp: TcpQueuePair,
+    batch: list[Entry],
+    pinned: list[TcpRegion],
+    preset: Callable[[Entry, WcStatus, int], None],
+) -> tuple[list[bytes | memoryview], int, bool]:
+    """The gather list for ``batch``: headers and WRITE payload views; and whether sending stops here.
+
+    Raises _Drop when a fault hook cuts the connection.
+    """
+    hooks = qp.hooks
     pack = REQUEST.pack
-    header = REQUEST.size
-    while True:
-        batch = _take_batch(qp)
-        if batch is None:
-            return
-        hooks = qp.hooks
-        iov: list[bytes | memoryview] = []
-        total = 0
-        pinned: list[TcpRegion] = []
-        stop = False
-        last, last_at = batch[0], 0
-        try:
-            for e in batch:
-                wr = e.wr
-                if hooks is not None:
-                    verdict = hooks.on_send(qp.qp_num, wr)
-                    if verdict is Fault.DROP:
-                        qp.peer_lost(VendorErr.HOOK)
-                        return
-                    if isinstance(verdict, WcStatus):
-                        qp.preset(e, verdict, 0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
-                        if verdict is not WcStatus.SUCCESS:
-                            stop = True
-                            break
-                        continue
-                err = _resolve(qp, e, pinned)
-                if err is not None:
-                    # Requests before it still go out and complete first; nothing after it is sent.
-                    qp.preset(e, WcStatus.LOC_PROT_ERR, err)
+    iov: list[bytes | memoryview] = []
+    total = 0
+    last, last_at = batch[0], 0
+    stop = False
+    for e in batch:
+        wr = e.wr
+        if hooks is not None:
+            verdict = hooks.on_send(qp.qp_num, wr)
+            if verdict is Fault.DROP:
+                raise _Drop
+            if isinstance(verdict, WcStatus):
+                preset(e, verdict, 0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
+                if verdict is not WcStatus.SUCCESS:
                     stop = True
                     break
-                e.sent = True
-                # A successful WRITE is acknowledged only when signaled (or hooked, so
-                # on_response sees every request); the target runs requests in order,
-                # so a later response vouches for it, and a failure is always answered.
-                e.acked = e.is_read or wr.signaled or hooks is not None
-                last, last_at = e, len(iov)
-                iov.append(pack(wr.opcode, FLAG_ACK if e.acked else 0, 0, e.seq, wr.rkey, 0, wr.remote_addr, e.length))
-                total += header
-                if not e.is_read:
-                    iov.extend(e.views)
-                    total += e.length
-            if iov:
-                if not last.acked:
-                    # The batch's last request is always answered: then every request on
-                    # the wire has a response coming after it, which the receiver's
-                    # silence timeout (a dead peer) relies on.
-                    last.acked = True
-                    wr = last.wr
-                    iov[last_at] = pack(wr.opcode, FLAG_ACK, 0, last.seq, wr.rkey, 0, wr.remote_addr, last.length)
-                send_all(sock, iov, total)
-        except PeerGone as exc:
-            qp.peer_lost(exc.vendor)
-            return
-        finally:
-            for region in pinned:
-                region.unpin()
-        if stop:
-            return  # the pair enters ERR when the preset request reaches the head
+                continue
+        err = _resolve(qp, e, pinned)
+        if err is not None:
+            # Requests before it still go out and complete first; nothing after it is sent.
+            preset(e, WcStatus.LOC_PROT_ERR, err)
+            stop = True
+            break
+        e.sent = True
+        # A successful WRITE is acknowledged only when signaled (or hooked, so
+        # on_response sees every request); the target runs requests in order,
+        # so a later response vouches for it, and a failure is always answered.
+        e.acked = e.is_read or wr.signaled or hooks is not None
+        last, last_at = e, len(iov)
+        iov.append(pack(wr.opcode, FLAG_ACK if e.acked else 0, 0, e.seq, wr.rkey, 0, wr.remote_addr, e.length))
+        total += REQUEST.size
+        if not e.is_read:
+            iov.extend(e.views)
+            total += e.length
+    if iov and not last.acked:
+        # The batch's last request is always answered: then every request on the
+        # wire has a response coming after it, which the receiver's silence
+        # timeout (a dead peer) relies on.
+        last.acked = True
+        wr = last.wr
+        iov[last_at] = pack(wr.opcode, FLAG_ACK, 0, last.seq, wr.rkey, 0, wr.remote_addr, last.length)
+    return iov, total, stop
+
+
+class _Drop(Exception):
+    """A fault hook asked to cut the connection."""
+
+
+def _send_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
+    while True:
+        with qp.lock:
+            while not qp.to_send and qp.tx_pending is None and qp.state == _RTS and not qp.send_stopped:
+                qp.send_cv.wait()
+            if qp.state != _RTS or (qp.send_stopped and qp.tx_pending is None):
+                return  # after a local failure the pair enters ERR when it reaches the head
+        pinned: list[TcpRegion] = []
+        with qp.tx_lock:
+            try:
+                pending, qp.tx_pending = qp.tx_pending, None
+                if pending is not None:  # what post_send could not write without blocking goes first
+                    buffers, total, pinned = pending
+                    send_all(sock, buffers, total)
+                    _unpin(pinned)
+                if qp.send_stopped:
+                    continue
+                batch = _take_batch(qp)
+                if not batch:
+                    continue
+                iov, total, stop = _build(qp, batch, pinned, qp.preset)
+                if iov:
+                    send_all(sock, iov, total)
+                if stop:
+                    with qp.lock:
+                        qp.send_stopped = True
+            except _Drop:
+                qp.peer_lost(VendorErr.HOOK)
+                return
+            except PeerGone as exc:
+                qp.peer_lost(exc.vendor)
+                return
+            finally:
+                _unpin(pinned)
+
+
+def _unpin(pinned: list[TcpRegion]) -> None:
+    for region in pinned:
+        region.unpin()
+    pinned.clear()
+
+
+def send_inline(qp: TcpQueuePair, sock: socket.socket) -> None:
+    """Send what was just posted from the posting thread, without blocking (the doorbell).
+
+    The caller (``post_send``) holds ``qp.lock`` and ``qp.tx_lock``, found the
+    sender idle with nothing pending, no hooks, and little WRITE payload. What
+    the socket does not take at once is left in ``qp.tx_pending`` for the
+    sender thread, which the caller then wakes. Saves a thread wakeup per
+    post for READs and small WRITEs; large payloads stay on the sender thread.
+    """
+    batch = list(qp.to_send)
+    qp.to_send.clear()
+    pinned: list[TcpRegion] = []
+    iov, total, stop = _build(qp, batch, pinned, qp.preset_locked)
+    if stop:
+        qp.send_stopped = True
+    if not iov:
+        _unpin(pinned)
+        return
+    try:
+        sent = sock.sendmsg(iov, (), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    except BlockingIOError:
+        sent = 0
+    except OSError:
+        _unpin(pinned)
+        qp.fail_locked(WcStatus.RETRY_EXC_ERR, VendorErr.PEER_RESET)
+        return
+    if sent == total:
+        _unpin(pinned)
+    else:
+        qp.tx_pending = (advance(iov, sent), total - sent, pinned)
 
 
 def _recv_loop(qp: TcpQueuePair, sock: socket.socket) -> None:

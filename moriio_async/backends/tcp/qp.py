@@ -32,7 +32,7 @@ from ...work import WorkCompletion, WorkRequest
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from .cq import TcpCompletionQueue
 from .hooks import Hooks
-from .initiator import start_initiator
+from .initiator import send_inline, start_initiator
 from .regions import RegionTable, TcpRegion
 from .wire import HELLO, HELLO_ACK, MAGIC, SEQ_MASK, VERSION, HelloStatus, VendorErr, configure_data_socket
 
@@ -46,6 +46,8 @@ log = logging.getLogger("moriio_async.tcp")
 
 MAX_SEND_WR = 1 << 16
 MAX_SGE = 256  # one request's gather list must fit one sendmsg (IOV_MAX 1024) with room to batch
+INLINE_BYTES = 64 << 10  # WRITE payload post_send may copy into the socket itself (on the caller's thread)
+INLINE_IOV = 256
 
 
 class Entry:
@@ -82,6 +84,12 @@ class TcpQueuePair(QueuePair):
         # Held by the receiver while it writes a READ response into local memory;
         # the error path waits for it so no byte lands after a flush is visible.
         self.rx_lock = threading.Lock()
+        # Held by whoever writes requests to the socket: the sender thread, or post_send
+        # ringing the doorbell itself (it only ever tries it, never waits for it).
+        self.tx_lock = threading.Lock()
+        self.tx_pending: tuple[list[bytes | memoryview], int, list[TcpRegion]] | None = None
+        """Gather list, bytes, pinned regions: a doorbell write the socket took only part of."""
+        self.send_stopped = False  # a request failed locally: nothing after it is sent
         self._state = QpState.INIT
         self._passive = False
         self._closed = False
@@ -166,7 +174,24 @@ class TcpQueuePair(QueuePair):
             if not self.inflight:
                 self.recv_cv.notify()
             self.inflight.extend(entries)
+            idle = not self.to_send
             self.to_send.extend(entries)
+            if (
+                idle
+                and self.hooks is None
+                and self.tx_pending is None
+                and not self.send_stopped
+                and sum(0 if e.is_read else e.length for e in entries) <= INLINE_BYTES
+                and sum(1 + len(e.wr.sges) for e in entries) <= INLINE_IOV
+                and self.tx_lock.acquire(blocking=False)
+            ):
+                try:
+                    assert self._sock is not None
+                    send_inline(self, self._sock)
+                finally:
+                    self.tx_lock.release()
+                if self.tx_pending is None and not self.to_send:
+                    return
             self.send_cv.notify()
 
     def to_error(self) -> None:
@@ -243,10 +268,13 @@ class TcpQueuePair(QueuePair):
     def preset(self, e: Entry, status: WcStatus, vendor: int) -> None:
         """Give ``e`` its outcome without the wire; it completes when it reaches the head."""
         with self.lock:
-            if self._state != QpState.RTS:
-                return
-            e.preset = (status, vendor)
-            self.drain_presets_locked()
+            self.preset_locked(e, status, vendor)
+
+    def preset_locked(self, e: Entry, status: WcStatus, vendor: int) -> None:
+        if self._state != QpState.RTS:
+            return
+        e.preset = (status, vendor)
+        self.drain_presets_locked()
 
     def peer_lost(self, vendor: VendorErr) -> None:
         with self.lock:
