@@ -78,3 +78,20 @@ def test_take_synth_respects_max_entries() -> None:
     assert [w.wr_id for w in ledger.take_synth(2)] == [0, 1]
     assert ledger.held == 3
     assert [w.status for w in ledger.take_synth(9)] == [WcStatus.WR_FLUSH_ERR] * 3
+
+
+def test_fence_covers_unsignaled_successes_so_made_up_completions_are_delivered() -> None:
+    from moriio_async.backends.verbs.ledger import FENCE_WR_ID
+
+    ledger = SendLedger(qp_num=3, depth=4)
+    ledger.posted([_wr(0, signaled=False)])  # succeeded on the wire: no completion will ever come
+    ledger.refused([_wr(1), _wr(2)], WcStatus.LOC_PROT_ERR)
+    ledger.fence()
+    assert ledger.held == 3  # the fence holds no slot of the caller's
+    assert ledger.take_synth(10) == []
+    assert ledger.complete(FENCE_WR_ID, WcStatus.WR_FLUSH_ERR, 0, 0) is None
+    assert [(w.wr_id, w.status) for w in ledger.take_synth(10)] == [
+        (1, WcStatus.LOC_PROT_ERR),
+        (2, WcStatus.WR_FLUSH_ERR),
+    ]
+    assert ledger.free == 4

@@ -29,6 +29,7 @@ Facts about pyverbs 59 that this module relies on (read in rdma-core 59's
 from __future__ import annotations
 
 import errno as errno_mod
+import importlib.metadata
 import logging
 import os
 import threading
@@ -87,7 +88,15 @@ def _import() -> tuple[Any, ...]:
 
 _pyverbs, _addr, _cq, _device, _mr, _pd, _qp, _wr, _PyverbsError = _import()
 
-PYVERBS_VERSION: str = str(getattr(_pyverbs, "__version__", "") or "unknown (< 60)")
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pyverbs")
+    except importlib.metadata.PackageNotFoundError:
+        return str(getattr(_pyverbs, "__version__", "") or "unknown (no package metadata)")
+
+
+PYVERBS_VERSION: str = _version()
 
 # ABI values from <infiniband/verbs.h>; stable across rdma-core releases.
 _QPT_RC = 2
@@ -95,7 +104,6 @@ _QP_STATE_MASK = 1
 _QPS_ERR = 6
 _WR_RDMA_WRITE, _WR_RDMA_READ = 0, 4
 _SEND_SIGNALED = 2
-_ACCESS_LOCAL_WRITE = 1
 _EVENT_FD_LINK = "anon_inode:[infinibandevent]"
 
 _open_lock = threading.Lock()
@@ -249,8 +257,6 @@ class MrHandle:
     """A registration of memory the caller owns (``ibv_reg_mr`` on its address)."""
 
     def __init__(self, pd: PdHandle, addr: int, length: int, access: int) -> None:
-        if access & ~_ACCESS_LOCAL_WRITE:
-            access |= _ACCESS_LOCAL_WRITE  # verbs refuses REMOTE_WRITE without LOCAL_WRITE
         try:
             self._mr: Any = _mr.MR(pd._pd, length, access, address=addr)
         except _PyverbsError as exc:
@@ -413,6 +419,20 @@ class QpHandle:
             finally:
                 send_wr.close()
         return len(wrs), None
+
+    def post_fence(self, wr_id: int) -> VerbsError | None:
+        """A signaled zero-length WRITE, for a pair in ERR: the device flushes it, in order."""
+        sge = _wr.SGE(0, 0, 0)
+        send_wr = _wr.SendWR(wr_id=wr_id, opcode=_WR_RDMA_WRITE, num_sge=1, sg=[sge], send_flags=_SEND_SIGNALED)
+        sge.close()
+        send_wr.set_wr_rdma(0, 0)
+        try:
+            self._qp.post_send(send_wr)
+        except _PyverbsError as exc:
+            return _fail(f"QP {self.qp_num}: posting the fence", exc)
+        finally:
+            send_wr.close()
+        return None
 
     @staticmethod
     def _send_wr(w: WorkRequest) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -98,6 +99,7 @@ class VerbsBackend(Backend):
         self._cqs: list[VerbsCompletionQueue] = []
         self._qps: dict[int, VerbsQueuePair] = {}
         self._regions: list[memory.VerbsMemoryRegion] = []
+        self._lkeys: dict[int, memory.VerbsMemoryRegion] = {}
         self._suspects: dict[int, float] = {}
         self._closed = False
         self.watcher: AsyncEventWatcher | None = None
@@ -113,12 +115,15 @@ class VerbsBackend(Backend):
         self._check_open()
         region = memory.register(self.pd, buffer, access)
         self._regions.append(region)
+        self._lkeys[region.lkey] = region
         return region
 
     def deregister_memory(self, region: MemoryRegion) -> None:
         memory.deregister(region)
         if region in self._regions:
             self._regions.remove(region)
+        if self._lkeys.get(region.lkey) is region:
+            del self._lkeys[region.lkey]
 
     def create_cq(self, depth: int) -> CompletionQueue:
         self._check_open()
@@ -131,9 +136,19 @@ class VerbsBackend(Backend):
         self._check_open()
         if not isinstance(cq, VerbsCompletionQueue) or cq not in self._cqs:
             raise InvalidArgument("create_qp needs a completion queue of this verbs backend")
-        depth = max(1, min(self.options.sq_depth, self.limits.max_qp_wr))
+        depth = max(1, min(self.options.sq_depth, self.limits.max_qp_wr - 1))  # -1: the fence's slot
         sge = max(1, min(self.options.max_sge, self.limits.max_sge))
-        qp = VerbsQueuePair(self.pd, cq, self.config, depth=depth, max_sge=sge)
+        while True:
+            try:
+                qp = VerbsQueuePair(self.pd, cq, self.config, self._lkeys.get, depth=depth, max_sge=sge)
+                break
+            except VerbsError as exc:
+                # max_qp_wr is what the device can index, not what memory allows: rxe says
+                # 1M, and 1M WQEs of 32 SGEs is ~600 MB. Halve until the queue fits.
+                if exc.errno != errno.ENOMEM or depth <= 64:
+                    raise
+                log.warning("verbs: a send queue of %d requests does not fit (%s); trying %d", depth, exc, depth // 2)
+                depth //= 2
         with self._lock:
             for stale in [n for n, q in self._qps.items() if q.closed]:
                 del self._qps[stale]
@@ -181,6 +196,7 @@ class VerbsBackend(Backend):
         for region in list(self._regions):
             memory.deregister(region)
         self._regions.clear()
+        self._lkeys.clear()
         self.pd.close()
         self.ctx.close()
 

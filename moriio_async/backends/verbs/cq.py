@@ -51,6 +51,7 @@ class VerbsCompletionQueue(CompletionQueue):
         self._epoll: select.epoll | None = None
         if self.handle.fd >= 0:
             self._epoll = select.epoll()
+            os.set_blocking(self._epoll.fileno(), False)
             self._epoll.register(self.handle.fd, select.EPOLLIN)
             self._epoll.register(self._eventfd, select.EPOLLIN)
         elif not _warned_no_fd:

@@ -29,7 +29,10 @@ from dataclasses import dataclass
 from ...status import Opcode, WcStatus
 from ...work import WorkCompletion, WorkRequest
 
-__all__ = ["SendLedger"]
+__all__ = ["FENCE_WR_ID", "SendLedger"]
+
+FENCE_WR_ID = (1 << 64) - 1
+"""The wr_id of the backend's own fence request (never delivered): see ``SendLedger.fence``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +45,14 @@ class _Posted:
 class SendLedger:
     """Slot accounting and synthetic completions for one queue pair (event-loop thread only)."""
 
-    __slots__ = ("_hw", "_synth", "closed", "dead", "depth", "errored", "qp_num")
+    __slots__ = ("_fences", "_hw", "_synth", "closed", "dead", "depth", "errored", "qp_num")
 
     def __init__(self, qp_num: int, depth: int) -> None:
         self.qp_num = qp_num
         self.depth = depth
         self._hw: deque[_Posted] = deque()
         self._synth: deque[WorkCompletion] = deque()
+        self._fences = 0
         self.dead = False
         """The hardware's completions for this pair are ignored; every post is synthetic."""
         self.errored = False
@@ -58,13 +62,13 @@ class SendLedger:
 
     @property
     def outstanding(self) -> int:
-        """Requests given to the hardware and not yet covered."""
-        return len(self._hw)
+        """Requests given to the hardware and not yet covered (fences excluded)."""
+        return len(self._hw) - self._fences
 
     @property
     def held(self) -> int:
         """Slots held: outstanding hardware requests plus synthetic completions not yet polled."""
-        return len(self._hw) + len(self._synth)
+        return self.outstanding + len(self._synth)
 
     @property
     def free(self) -> int:
@@ -83,6 +87,16 @@ class SendLedger:
         """Record requests the hardware accepted."""
         self._hw.extend(_Posted(wr.wr_id, wr.opcode, wr.length) for wr in wrs)
 
+    def fence(self) -> None:
+        """Record the backend's signaled fence, posted on a pair already in ERR.
+
+        Synthetic completions wait for every earlier hardware request; but an
+        unsignaled request that succeeded before the error never completes on
+        its own. The fence's flush completion covers it, so the wait ends.
+        """
+        self._hw.append(_Posted(FENCE_WR_ID, Opcode.RDMA_WRITE, 0))
+        self._fences += 1
+
     def refused(self, wrs: Iterable[WorkRequest], status: WcStatus, vendor_err: int = 0) -> None:
         """Record requests the hardware never got: each completes with ``status``, then flushes."""
         for wr in wrs:
@@ -98,8 +112,14 @@ class SendLedger:
                 break
         else:
             return None  # not ours (already synthesized): drop
-        while self._hw.popleft() is not posted:
-            pass  # an earlier unsignaled request, done: RC completes in order
+        while True:
+            head = self._hw.popleft()
+            if head.wr_id == FENCE_WR_ID:
+                self._fences -= 1
+            if head is posted:
+                break  # earlier ones were unsignaled and are done: RC completes in order
+        if wr_id == FENCE_WR_ID:
+            return None
         if status is not WcStatus.SUCCESS:
             self.errored = True
             byte_len = 0
@@ -114,9 +134,12 @@ class SendLedger:
         self.dead = True
         made_up = []
         for posted in self._hw:
+            if posted.wr_id == FENCE_WR_ID:
+                continue
             made_up.append(self._made_up(posted.wr_id, posted.opcode, status, 0))
             status = WcStatus.WR_FLUSH_ERR
         self._hw.clear()
+        self._fences = 0
         self._synth.extendleft(reversed(made_up))
 
     def take_synth(self, max_entries: int) -> list[WorkCompletion]:

@@ -12,7 +12,7 @@ from ..base import MemoryRegion
 from ._pyverbs import MrHandle, PdHandle, VerbsError
 from .facts import memlock_limit
 
-__all__ = ["VerbsMemoryRegion", "deregister", "register"]
+__all__ = ["VerbsMemoryRegion", "covers", "deregister", "register"]
 
 
 @dataclass(eq=False, slots=True)
@@ -24,6 +24,8 @@ class VerbsMemoryRegion(MemoryRegion):
 
 
 def register(pd: PdHandle, buffer: memoryview, access: Access) -> VerbsMemoryRegion:
+    if access & Access.REMOTE_WRITE and not access & Access.LOCAL_WRITE:
+        raise InvalidArgument("REMOTE_WRITE access needs LOCAL_WRITE too (as ibv_reg_mr requires)")
     length = buffer.nbytes
     try:
         pin = (ctypes.c_char * length).from_buffer(buffer)
@@ -55,10 +57,20 @@ def register(pd: PdHandle, buffer: memoryview, access: Access) -> VerbsMemoryReg
 
 
 def deregister(region: MemoryRegion) -> None:
-    if not isinstance(region, VerbsMemoryRegion) or region.handle is None:
-        raise InvalidArgument("not a live region of this verbs backend")
+    """Deregister; a region already deregistered (or freed by closing the backend) is left as is."""
+    if not isinstance(region, VerbsMemoryRegion):
+        raise InvalidArgument("not a region of the verbs backend")
+    if region.handle is None:
+        return
     handle, region.handle = region.handle, None
     try:
         handle.close()
     finally:
         region.pin = None
+
+
+def covers(region: VerbsMemoryRegion, addr: int, length: int, *, write: bool) -> bool:
+    """Whether a local SGE lies inside the live region and, for a READ's target, may be written."""
+    if region.handle is None or addr < region.addr or addr + length > region.addr + region.length:
+        return False
+    return not write or bool(region.access & Access.LOCAL_WRITE)

@@ -7,7 +7,7 @@ import ipaddress
 import logging
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,8 @@ from ..base import Endpoint, QpState, QueuePair, SendQueueFull
 from ._pyverbs import PathParams, PdHandle, QpHandle, VerbsError
 from .cq import VerbsCompletionQueue
 from .facts import LINK_LAYER_ETHERNET, DeviceLimits, PortFacts
-from .ledger import SendLedger
+from .ledger import FENCE_WR_ID, SendLedger
+from .memory import VerbsMemoryRegion, covers
 
 __all__ = ["PortConfig", "VerbsQueuePair"]
 
@@ -28,6 +29,9 @@ log = logging.getLogger("moriio_async.verbs")
 _STATES = {0: QpState.RESET, 1: QpState.INIT, 2: QpState.RTR, 3: QpState.RTS, 4: QpState.RTS}
 QPS_SQE, QPS_ERR = 5, 6
 _MAX_RD_ATOM = 16
+# retry_cnt is 3 bits, but rxe (and some providers) read 7 as "retry forever", like rnr_retry:
+# a dead peer would then never become RETRY_EXC_ERR, which the contract promises. 6 is the most.
+_MAX_RETRY_CNT = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +55,24 @@ def _int_field(remote: Endpoint, name: str, low: int, high: int) -> int:
 
 
 class VerbsQueuePair(QueuePair):
-    def __init__(self, pd: PdHandle, cq: VerbsCompletionQueue, config: PortConfig, *, depth: int, max_sge: int) -> None:
+    def __init__(
+        self,
+        pd: PdHandle,
+        cq: VerbsCompletionQueue,
+        config: PortConfig,
+        regions: Callable[[int], VerbsMemoryRegion | None],
+        *,
+        depth: int,
+        max_sge: int,
+    ) -> None:
         access = int(Access.all())
-        self.handle = QpHandle(pd, cq.handle, depth=depth, max_sge=max_sge, port=config.port.port, access=access)
+        # One slot more than offered: room for the fence (see _fail_from).
+        self.handle = QpHandle(pd, cq.handle, depth=depth + 1, max_sge=max_sge, port=config.port.port, access=access)
+        self._regions = regions
         self.cq = cq
         self.config = config
         self.qp_num = self.handle.qp_num
-        self.max_send_wr = min(depth, self.handle.max_send_wr)
+        self.max_send_wr = min(depth, self.handle.max_send_wr - 1)
         self.max_sge = min(max_sge, self.handle.max_send_sge)
         self.ledger = SendLedger(self.qp_num, self.max_send_wr)
         cq.ledgers[self.qp_num] = self.ledger
@@ -118,7 +133,7 @@ class VerbsQueuePair(QueuePair):
             max_dest_rd_atomic=self._rd_atom,
             max_rd_atomic=max(1, init_rd),
             timeout=max(0, min(cfg.timeout, 31)),
-            retry_cnt=max(0, min(cfg.retry_cnt, 7)),
+            retry_cnt=max(0, min(cfg.retry_cnt, _MAX_RETRY_CNT)),
             rnr_retry=max(0, min(cfg.rnr_retry, 7)),
         )
         self.handle.connect(params)
@@ -139,24 +154,54 @@ class VerbsQueuePair(QueuePair):
             ledger.refused(wrs, WcStatus.WR_FLUSH_ERR)
             self.cq.wake()
             return
-        taken, error = self.handle.post(wrs)
-        ledger.posted(wrs[:taken])
-        if error is None:
+        # Local SGEs are checked here, not by the device: rxe reports a bad lkey on a WRITE as
+        # LOC_QP_OP_ERR and moves the packets before a bad one, so a request that would fail
+        # locally never reaches the wire and fails LOC_PROT_ERR, in order, with nothing moved.
+        bad = next((i for i, wr in enumerate(wrs) if not self._local_ok(wr)), None)
+        good = wrs if bad is None else wrs[:bad]
+        taken, error = self.handle.post(good) if good else (0, None)
+        ledger.posted(good[:taken])
+        if error is None and bad is None:
             return
-        in_error = self._hw_state() in (QPS_ERR, QPS_SQE, None)
-        status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
-        log.warning(
-            "QP %d refused %d of %d requests (%s): completing them with %s",
-            self.qp_num,
-            len(wrs) - taken,
-            len(wrs),
-            error,
-            status.name,
-        )
-        ledger.refused(wrs[taken:], status)
-        if not in_error:
-            self.to_error()
-        self.cq.wake()
+        if error is not None:
+            in_error = self._hw_state() in (QPS_ERR, QPS_SQE, None)
+            status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
+            log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qp_num, taken, len(wrs), error,
+                        status.name)  # fmt: skip
+        else:
+            taken, status = len(good), WcStatus.LOC_PROT_ERR
+        self._fail_from(wrs[taken:], status)
+
+    def _local_ok(self, wr: WorkRequest) -> bool:
+        write_local = wr.opcode is Opcode.RDMA_READ
+        for sge in wr.sges:
+            region = self._regions(sge.lkey)
+            if region is None or not covers(region, sge.addr, sge.length, write=write_local):
+                return False
+        return True
+
+    def _fail_from(self, rest: Sequence[WorkRequest], status: WcStatus) -> None:
+        """``rest`` never reached the device: the first ends with ``status``, the others flush.
+
+        The pair is moved to ERR (the contract: after an error every request flushes) and a
+        fence is posted, whose flush completion covers earlier unsignaled requests, so the
+        made-up completions are delivered right after the hardware's own, in order.
+        """
+        self.ledger.refused(rest, status)
+        failure: VerbsError | None = None
+        with self.lock:
+            if not self.closed:
+                try:
+                    self.handle.to_error()
+                    failure = self.handle.post_fence(FENCE_WR_ID)
+                except VerbsError as exc:
+                    failure = exc
+                if failure is None:
+                    self.ledger.fence()
+                    self.cq.wake()
+                    return
+        log.warning("QP %d: cannot fence after a refused request (%s): flushing from the ledger", self.qp_num, failure)
+        self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
 
     def to_error(self) -> None:
         with self.lock:
