@@ -33,7 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "tools" / "guest" / "run.py"
 IN_GUEST = os.environ.get("MORIIO_GUEST") == "1"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-DEFAULT_SUITE = "tests/verbs/test_real_verbs.py tests/verbs/test_peer_failure.py tests/backends"
+DEFAULT_SUITE = (
+    "tests/verbs/test_real_verbs.py tests/verbs/test_peer_failure.py tests/backends tests/engine/test_transfers.py"
+)
 SUITE = os.environ.get("MORIIO_GUEST_SUITE", DEFAULT_SUITE).split()
 GUEST_ENV = {
     "MORIIO_TEST_BACKENDS": "verbs",

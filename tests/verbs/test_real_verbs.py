@@ -6,6 +6,7 @@ test proves one behaviour with as little traffic as that needs.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import select
@@ -220,3 +221,16 @@ def test_second_pair_after_a_failure_works(backend: Backend, pair: Pair) -> None
     active.post_send([write(5, p.src, p.dst.addr, p.dst.rkey, 4096)])
     (wc,) = drain(p.cq, 1, 10)
     assert (wc.wr_id, wc.status, wc.qp_num) == (5, WcStatus.SUCCESS, active.qp_num)
+
+
+def test_doctor_on_real_verbs_shows_gid_choice_and_loopback() -> None:
+    from moriio_async.cli import doctor
+
+    lines: list[str] = []
+    args = argparse.Namespace(backend="verbs", device=None, port=1, host="127.0.0.1", no_loopback=False)
+    assert doctor.run(args, out=lines.append) == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "CompChannel.fd: yes" in text
+    assert "<- default" in text
+    assert "verbs backend: loopback RDMA WRITE of 4096 bytes verified" in text
+    assert "FAIL" not in text
