@@ -497,6 +497,9 @@ def step_rdma_core(lay: Layout) -> None:
             "-DCMAKE_INSTALL_LIBDIR=lib",
             # Its default is /lib/systemd (absolute): keep the install in the prefix.
             f"-DCMAKE_INSTALL_SYSTEMD_BINDIR={prefix}/lib/systemd",
+            # Runtime-only (ibacm's unix socket path, which must fit in 108 bytes):
+            # the default <prefix>/var/run overflows with a long cache path.
+            "-DCMAKE_INSTALL_RUNDIR=/run",
             "-DNO_MAN_PAGES=1",
             "-DNO_PYVERBS=1",
             "-DENABLE_VALGRIND=0",
@@ -601,8 +604,8 @@ def ensure_built(*, install_packages: bool = True) -> Layout:
             func(lay)
             durations[name] = time.monotonic() - start
             lay.stamp(name).touch()
+            write_manifest(lay, durations)  # after each step: a failed build keeps its timings
             log(f"step {name}: done in {durations[name]:.1f}s")
-        write_manifest(lay, durations)
     log(f"built {lay.root} in {time.monotonic() - t0:.1f}s")
     return lay
 
