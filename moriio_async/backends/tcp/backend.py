@@ -3,7 +3,10 @@
 Threads, per backend: one accept thread; per active queue pair: a sender and
 a receiver (``initiator.py``); per accepted connection: one responder
 (``responder.py``). None of them touches asyncio, so a peer serves one-sided
-reads and writes of its memory while its event loop is busy or blocked.
+reads and writes of its memory while its event loop is busy or blocked. The
+posting thread itself writes small requests when the sender is idle (the
+doorbell); every copy of payload bytes happens inside a socket call, with
+the GIL released.
 """
 
 from __future__ import annotations

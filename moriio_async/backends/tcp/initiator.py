@@ -8,6 +8,10 @@ from the head of the pair's ``inflight`` deque (a response also completes
 the unanswered successful WRITEs before it: acks are coalesced). Both block in socket calls that
 release the GIL; both exit when the pair leaves RTS (the error path shuts the
 socket down, which wakes them).
+
+The doorbell: when the sender is idle, ``post_send`` writes READs and small
+WRITEs to the socket itself (``send_inline``, never blocking), which saves a
+thread wakeup and a GIL hand-off per post; ``tx_lock`` orders the two writers.
 """
 
 from __future__ import annotations
