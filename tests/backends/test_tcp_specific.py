@@ -140,12 +140,12 @@ def test_doorbell_writes_the_socket_would_not_take_finish_on_the_sender(
     pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """post_send writes small requests itself (MSG_DONTWAIT); a partial write is finished by the sender thread."""
-    from moriio_async.backends.tcp import initiator, qp
+    from moriio_async.backends.tcp import qp, sender
 
     partial = []
 
     def counting(q: TcpQueuePair, sock: socket.socket) -> None:
-        initiator.send_inline(q, sock)
+        sender.send_inline(q, sock)
         partial.append(q.tx_pending is not None)
 
     monkeypatch.setattr(qp, "send_inline", counting)

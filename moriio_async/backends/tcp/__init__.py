@@ -3,7 +3,7 @@
 Modules, one noun each: ``wire`` (headers and zero-copy socket loops),
 ``regions`` (the region table and a NIC's checks), ``cq`` (completion queue
 with an eventfd channel), ``qp`` (queue-pair state, slots, in-order
-completion), ``initiator`` (the active side's sender and receiver threads),
+completion), ``sender`` and ``receiver`` (the active side's two threads),
 ``responder`` (the passive side's thread), ``hooks`` (fault-injection seams),
 ``backend`` (TcpBackend and its listener).
 """

@@ -1,7 +1,7 @@
 """TcpBackend: a software NIC over TCP, and its data-plane listener.
 
 Threads, per backend: one accept thread; per active queue pair: a sender and
-a receiver (``initiator.py``); per accepted connection: one responder
+a receiver (``sender.py``, ``receiver.py``); per accepted connection: one responder
 (``responder.py``). None of them touches asyncio, so a peer serves one-sided
 reads and writes of its memory while its event loop is busy or blocked. The
 posting thread itself writes small requests when the sender is idle (the

@@ -4,8 +4,8 @@ Posting appends to two deques under the pair's lock: ``_to_send`` (the
 sender thread takes from it) and ``_inflight`` (the receiver thread completes
 from its head, in order). Every completion is pushed to the CQ under the same
 lock, so completions of one pair are in posting order whichever thread makes
-them. The threads themselves live in ``initiator.py`` (active side) and
-``responder.py`` (passive side).
+them. The threads themselves live in ``sender.py`` and ``receiver.py``
+(active side) and ``responder.py`` (passive side).
 
 A request that will never touch the wire (a local protection error, or a
 status chosen by a fault hook) is *preset*: it carries its outcome and
@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ...errors import ControlPlaneError, InvalidArgument, PeerError
@@ -32,8 +32,9 @@ from ...work import WorkCompletion, WorkRequest
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from .cq import TcpCompletionQueue
 from .hooks import Hooks
-from .initiator import send_inline, start_initiator
+from .receiver import recv_loop
 from .regions import RegionTable, TcpRegion
+from .sender import send_inline, send_loop
 from .wire import HELLO, HELLO_ACK, MAGIC, SEQ_MASK, VERSION, HelloStatus, VendorErr, configure_data_socket
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ class TcpQueuePair(QueuePair):
                 raise InvalidArgument(f"qp {self.qp_num} was closed while connecting")
             self._sock = sock
             self._state = QpState.RTS
-            self._threads = start_initiator(self, sock)
+            self._threads = self._start_threads(sock)
 
     def post_send(self, wrs: Sequence[WorkRequest]) -> None:
         n = len(wrs)
@@ -306,6 +307,24 @@ class TcpQueuePair(QueuePair):
         for e in entries:
             self._push_locked(e, status, vendor)
             status, vendor = WcStatus.WR_FLUSH_ERR, 0
+
+    def _start_threads(self, sock: socket.socket) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=self._guard, args=(send_loop, sock), name=f"moriio-tcp-send-{self.qp_num}"),
+            threading.Thread(target=self._guard, args=(recv_loop, sock), name=f"moriio-tcp-recv-{self.qp_num}"),
+        ]
+        for t in threads:
+            t.daemon = True
+            t.start()
+        return threads
+
+    def _guard(self, loop: Callable[[TcpQueuePair, socket.socket], None], sock: socket.socket) -> None:
+        """Run a NIC loop; an unexpected error becomes completions, never a thread exception."""
+        try:
+            loop(self, sock)
+        except BaseException:
+            log.exception("tcp qp %d: NIC thread failed", self.qp_num)
+            self.fail(WcStatus.GENERAL_ERR, 0)
 
     def _dial(self, remote: Endpoint) -> socket.socket:
         """Open the data connection to the passive pair and present its token."""
