@@ -27,11 +27,13 @@ stopped without reporting); 3 from --check when the harness cannot run here.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -51,7 +53,9 @@ EXIT_CANNOT_RUN = 3
 
 QEMU = "qemu-system-x86_64"
 RDMA_DEVICE = "rxe0"
-ONE_GUEST_NET = ("10.77.1.1", "10.77.1.2")  # veth0 (rxe0) and veth1, inside the guest
+# One guest: veth0 (carries rxe0) and its veth1 end. Both QPs of a test live on
+# rxe0, so the peer's address IS this guest's own: SELF_IP == PEER_IP there.
+ONE_GUEST_NET = ("10.77.1.1", "10.77.1.2")
 TWO_GUEST_NET = ("10.77.0.1", "10.77.0.2")  # eth0 of guest a and of guest b
 PREFIX_LEN = 24
 # After one guest fails, how long the other may go on before it is stopped.
@@ -145,6 +149,7 @@ def write_job(state: Path, lay: build.Layout, guest: Guest, out: Path, count: in
         f"net_mode={q(guest.net_mode)}",
         f"self_ip={q(guest.self_ip)}",
         f"peer_ip={q(guest.peer_ip)}",
+        f"veth1_ip={q(ONE_GUEST_NET[1])}",
         f"prefix_len={PREFIX_LEN}",
         f"rdma_dev={q(RDMA_DEVICE)}",
         f"rdma_core_prefix={q(str(lay.prefix))}",
@@ -232,6 +237,15 @@ def stream(guest: Guest, log_path: Path, t0: float) -> None:
                 print(f"[guest {guest.role}] {line}", flush=True)
 
 
+def _die_with_parent() -> None:
+    """In the qemu child: get SIGKILL if run.py dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def stop(guest: Guest) -> None:
     if guest.proc is not None and guest.proc.poll() is None:
         guest.proc.kill()
@@ -260,7 +274,7 @@ def run_guests(args: argparse.Namespace, cmd: Sequence[str]) -> int:
 
     count = args.guests
     if count == 1:
-        guests = [Guest("a", ONE_GUEST_NET[0], ONE_GUEST_NET[1], "veth", ["-nic", "none"])]
+        guests = [Guest("a", ONE_GUEST_NET[0], ONE_GUEST_NET[0], "veth", ["-nic", "none"])]
     else:
         port_a, port_b = free_udp_port(), free_udp_port()
         while port_b == port_a:
@@ -287,16 +301,23 @@ def run_guests(args: argparse.Namespace, cmd: Sequence[str]) -> int:
     )
 
     boot_t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, _terminate)  # a killed run must not leave qemu running
     try:
         for g in guests:
             argv = qemu_command(lay, g, out, count, mem=args.mem, smp=smp, verbose=args.verbose)
             (state / f"qemu-{g.role}.cmd").write_text(shlex.join(argv) + "\n")
-            g.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            g.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
             g.reader = threading.Thread(target=stream, args=(g, state / f"console-{g.role}.log", boot_t0), daemon=True)
             g.reader.start()
         timed_out = wait_all(guests, boot_t0 + args.timeout, state)
     except KeyboardInterrupt:
-        say("interrupted: stopping the guest(s)")
+        say("interrupted (Ctrl-C or SIGTERM): stopping the guest(s)")
         timed_out = False
         for g in guests:
             stop(g)

@@ -47,7 +47,7 @@ case "$net_mode" in
         # busybox ip cannot create veth pairs; this is the host's iproute2.
         ip link add veth0 type veth peer name veth1 || finish 125
         ip addr add "$self_ip/$prefix_len" dev veth0
-        ip addr add "$peer_ip/$prefix_len" dev veth1
+        ip addr add "$veth1_ip/$prefix_len" dev veth1
         ip link set veth1 up
         ip link set veth0 up
         netdev=veth0
