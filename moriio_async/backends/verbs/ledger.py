@@ -87,6 +87,12 @@ class SendLedger:
         """Record requests the hardware accepted."""
         self._hw.extend(_Posted(wr.wr_id, wr.opcode, wr.length) for wr in wrs)
 
+    def describe(self) -> str:
+        """For error messages: what holds the slots."""
+        ids = [p.wr_id for p in self._hw]
+        shown = ids if len(ids) <= 8 else [*ids[:4], "...", *ids[-2:]]
+        return f"hardware {shown} ({self._fences} fences), {len(self._synth)} made-up, dead={self.dead}"
+
     def fence(self) -> None:
         """Record the backend's signaled fence, posted on a pair already in ERR.
 

@@ -149,7 +149,10 @@ class VerbsQueuePair(QueuePair):
                 raise InvalidArgument(f"work request {wr.wr_id} has opcode {wr.opcode!r}")
         ledger = self.ledger
         if len(wrs) > ledger.free:
-            raise SendQueueFull(f"QP {self.qp_num}: {len(wrs)} requests, {ledger.free} of {ledger.depth} slots free")
+            raise SendQueueFull(
+                f"QP {self.qp_num}: {len(wrs)} requests, {ledger.free} of {ledger.depth} slots free "
+                f"({ledger.describe()})"
+            )
         if ledger.must_synthesize or self.closed:
             ledger.refused(wrs, WcStatus.WR_FLUSH_ERR)
             self.cq.wake()
