@@ -2,9 +2,10 @@
 
 On the host, collection asks pytest (in a subprocess, with MORIIO_GUEST=1) which
 tests the guest will run, and makes one item per guest test. The first item
-to run boots the guest once for the session (``tools/guest/run.py``) with
-pytest writing JUnit XML into the shared results directory; every item then
-passes, fails (with the guest's failure text) or skips as its guest twin did.
+of a group boots its guest(s) once for the session (``tools/guest/run.py``;
+one guest for most tests, ``--guests 2`` for the two-guest ones) with pytest
+writing JUnit XML into the shared results directory; every item then passes,
+fails (with the guest's failure text) or skips as its guest twin did.
 
 Without the means to run the guest (``run.py --check`` says why) there is
 exactly one item: skipped with that line, or failed when CI=true, because in
@@ -38,6 +39,9 @@ DEFAULT_SUITE = (
     "tests/verbs/test_real_verbs.py tests/verbs/test_peer_failure.py tests/backends tests/engine/test_transfers.py"
 )
 SUITE = os.environ.get("MORIIO_GUEST_SUITE", DEFAULT_SUITE).split()
+TWO_GUEST_SUITE = os.environ.get("MORIIO_GUEST_SUITE2", "tests/verbs/test_two_guests.py").split()
+GROUPS = {1: SUITE, 2: TWO_GUEST_SUITE}
+"""Guests per run -> the pytest paths that run there (each group boots once per session)."""
 GUEST_ENV = {
     "MORIIO_TEST_BACKENDS": "verbs",
     "MORIIO_TEST_ENGINE_BACKENDS": "verbs",
@@ -62,11 +66,11 @@ def _cannot_run() -> str | None:
     return text[-1] if text else f"tools/guest/run.py --check exited {check.returncode}"
 
 
-def _guest_test_ids() -> list[str]:
+def _guest_test_ids(suite: list[str], guests: int) -> list[str]:
     """Node ids the guest will run, by collecting on the host as the guest would."""
-    env = dict(os.environ, MORIIO_GUEST="1", **GUEST_ENV)
+    env = dict(os.environ, MORIIO_GUEST="1", MORIIO_GUEST_COUNT=str(guests), **GUEST_ENV)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *SUITE],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *suite],
         capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
     )  # fmt: skip
     ids = [line for line in result.stdout.splitlines() if "::" in line and not line.startswith(BRIDGE)]
@@ -111,43 +115,51 @@ def _parse(xml_path: Path) -> dict[tuple[str, str], GuestResult]:
     return results
 
 
-def _run_guest() -> GuestRun:
+def _run_guest(guests: int) -> GuestRun:
     out = Path(tempfile.mkdtemp(prefix="moriio-guest-"))
-    xml = out / "guest-junit.xml"
-    pytest_cmd = [
-        "python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", "--junitxml", str(xml),
-        "--deselect", BRIDGE, *SUITE,
-    ]  # fmt: skip
+    # Each guest writes its own XML; with two, a test fails if it failed in either.
+    pytest_cmd = (
+        'python -m pytest -p no:cacheprovider -q -rfEs --junitxml "$MORIIO_GUEST_OUT/junit-$MORIIO_GUEST_ROLE.xml" '
+        f"--deselect {BRIDGE} {shlex.join(GROUPS[guests])}"
+    )
+    command = [sys.executable, str(RUN), "--guests", str(guests), "--out", str(out), "--timeout", str(RUN_TIMEOUT)]
     env = dict(os.environ, **GUEST_ENV)
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(RUN), "--out", str(out), "--timeout", str(RUN_TIMEOUT), "--", *pytest_cmd],
+        [*command, "--", "sh", "-c", pytest_cmd],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=RUN_TIMEOUT + 600,
     )  # fmt: skip
     seconds = time.monotonic() - started
     log = proc.stdout + proc.stderr
     (out / "run.log").write_text(log)
     tail = "\n".join(log.splitlines()[-60:])
-    sys.stderr.write(f"\n[guest] {shlex.join(pytest_cmd)}: exit {proc.returncode} after {seconds:.0f}s (log {out})\n")
-    if not xml.exists():
+    sys.stderr.write(f"\n[guest x{guests}] {pytest_cmd}: exit {proc.returncode} after {seconds:.0f}s (log {out})\n")
+    xmls = sorted(out.glob("junit-*.xml"))
+    if not xmls:
         raise RuntimeError(f"the guest run wrote no JUnit XML (exit {proc.returncode}); last lines:\n{tail}")
-    return GuestRun(_parse(xml), proc.returncode, seconds, tail)
+    results: dict[tuple[str, str], GuestResult] = {}
+    for xml in xmls:
+        role = xml.stem.removeprefix("junit-")
+        for key, result in _parse(xml).items():
+            if key not in results or result.outcome == "failed":
+                text = f"[guest {role}] {result.text}" if guests > 1 else result.text
+                results[key] = GuestResult(result.outcome, text, result.seconds)
+    return GuestRun(results, proc.returncode, seconds, tail)
 
 
-_run: GuestRun | None = None
-_run_error: str | None = None
+_runs: dict[int, GuestRun] = {}
+_run_errors: dict[int, str] = {}
 
 
-def _guest_run() -> GuestRun:
-    global _run, _run_error
-    if _run is None and _run_error is None:
+def _guest_run(guests: int) -> GuestRun:
+    if guests not in _runs and guests not in _run_errors:
         try:
-            _run = _run_guest()
+            _runs[guests] = _run_guest(guests)
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-            _run_error = str(exc)
-    if _run is None:
-        pytest.fail(f"the Soft-RoCE guest run failed: {_run_error}", pytrace=False)
-    return _run
+            _run_errors[guests] = str(exc)
+    if guests not in _runs:
+        pytest.fail(f"the Soft-RoCE guest run ({guests} guest(s)) failed: {_run_errors[guests]}", pytrace=False)
+    return _runs[guests]
 
 
 def _items() -> list[object]:
@@ -158,11 +170,18 @@ def _items() -> list[object]:
         line = f"Soft-RoCE guest unavailable: {reason} (check: python3 tools/guest/run.py --check)"
         marks = [] if IN_CI else [pytest.mark.skip(reason=line)]
         return [pytest.param(f"unavailable::{line}", id="guest-unavailable", marks=marks)]
-    try:
-        ids = _guest_test_ids()
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        return [pytest.param(f"unavailable::{exc}", id="guest-collection")]
-    return [pytest.param(nodeid, id=re.sub(r"^tests/", "", nodeid)) for nodeid in ids]
+    items: list[object] = []
+    for guests, suite in GROUPS.items():
+        if not suite:
+            continue
+        try:
+            ids = _guest_test_ids(suite, guests)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            items.append(pytest.param(f"unavailable::{exc}", id=f"guest-collection-x{guests}"))
+            continue
+        prefix = "" if guests == 1 else f"{guests}guests/"
+        items += [pytest.param(f"{guests}::{nodeid}", id=prefix + re.sub(r"^tests/", "", nodeid)) for nodeid in ids]
+    return items
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 900)
@@ -171,7 +190,8 @@ def _items() -> list[object]:
 def test_in_guest(guest_test: str) -> None:
     if guest_test.startswith("unavailable::"):
         pytest.fail(guest_test.removeprefix("unavailable::"), pytrace=False)
-    run = _guest_run()
+    guests, _, guest_test = guest_test.partition("::")
+    run = _guest_run(int(guests))
     result = run.results.get(_junit_key(guest_test))
     if result is None:
         pytest.fail(

@@ -153,6 +153,14 @@ class VerbsBackend(Backend):
             for stale in [n for n, q in self._qps.items() if q.closed]:
                 del self._qps[stale]
             self._qps[qp.qp_num] = qp
+            on_cq = sum(q.max_send_wr + 1 for q in self._qps.values() if q.cq is cq)
+        if on_cq > cq.handle.depth:
+            # rxe drops completions past a full CQ silently (then CQ_ERR): every request,
+            # signaled or not, may need an entry once the pair fails and flushes.
+            log.warning(
+                "verbs: %d send-queue slots now complete into a CQ of %d entries: size the CQ for all of them",
+                on_cq, cq.handle.depth,
+            )  # fmt: skip
         return qp
 
     def describe(self) -> dict[str, Any]:
