@@ -8,14 +8,30 @@ Design, in one place:
 
 * Threads: one daemon thread per backend, for device async events
   (``events.py``); everything else runs on the caller's (event-loop) thread.
-* Fds: each completion queue's ``fileno()`` is an epoll fd holding its
-  completion channel and an eventfd for completions the backend makes up
-  (``cq.py``); -1 when pyverbs has no ``CompChannel.fd``.
-* GID: the RoCE v2 IPv4-mapped entry by default (``gid.py``), logged with why.
+  pyverbs' ``get_async_event`` blocks holding the GIL, so the thread waits
+  on the device's async fd (found at open, made non-blocking) in
+  ``select.poll`` and only then takes the event.
+* Fds: each completion queue's ``fileno()`` is a non-blocking epoll fd holding
+  its own completion channel and an eventfd for completions the backend
+  makes up (``cq.py``); -1 when pyverbs has no ``CompChannel.fd``.
+* GID: the RoCE v2 IPv4-mapped entry by default, the one of ``host`` when
+  listed (``gid.py``); the choice and its reason are logged and described.
 * Flushes: ``to_error`` moves the pair to ERR and the device flushes every
-  outstanding request, unsignaled ones included; a ledger per pair
-  (``ledger.py``) keeps slots, opcodes and lengths, and makes up the
-  completions the hardware cannot give (dead device, refused posts).
+  outstanding request with its own WR_FLUSH_ERR, unsignaled ones included
+  (seen on rxe: 16 of 16; posts on a pair in ERR flush too). A ledger per
+  pair (``ledger.py``) keeps slots, opcodes and lengths, and makes up the
+  completions the device cannot give: requests refused before the wire
+  (bad local SGE: LOC_PROT_ERR, nothing moved), pairs on a dead device or
+  CQ (FATAL_ERR, then flushes); a signaled fence lets them out in order.
+* Events: PORT_ERR moves every pair to ERR at once (a batch fails in
+  milliseconds, not after the retry timers); DEVICE_FATAL and CQ_ERR fail
+  every pair from the ledgers; QP events are matched by querying states,
+  since pyverbs 59 does not say which pair; a pair in ERR that the device
+  has not flushed within ``extra["verbs_flush_grace"]`` (2 s) is flushed
+  from its ledger.
+* rxe quirks handled: ``retry_cnt`` 7 means "forever" there (clipped to 6);
+  a bad WRITE lkey is LOC_QP_OP_ERR after packets moved (checked before
+  posting instead); ``max_qp_wr`` is 1M (queues halve until they fit).
 """
 
 from __future__ import annotations

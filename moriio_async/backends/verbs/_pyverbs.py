@@ -34,13 +34,13 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from ...errors import BackendUnavailable, MoriioError
+from ...errors import BackendUnavailable
 from ...status import Opcode
 from ...work import WorkRequest
 from .facts import DeviceLimits, GidEntry, PortFacts
+from .values import INSTALL_HINT, NO_DEVICE_HINT, PathParams, RawCompletion, VerbsError, event_fds
 
 __all__ = [
     "PYVERBS_VERSION",
@@ -49,20 +49,9 @@ __all__ = [
     "MrHandle",
     "PdHandle",
     "QpHandle",
-    "RawCompletion",
-    "VerbsError",
     "has_channel_fd",
     "list_devices",
 ]
-
-INSTALL_HINT = (
-    "pip install moriio-async[verbs] (pyverbs needs rdma-core >= 57 libs: if the import fails on "
-    "IBVERBS_PRIVATE_*, point LD_LIBRARY_PATH at rdma-core's lib/), or use backend='tcp'"
-)
-NO_DEVICE_HINT = (
-    "load Soft-RoCE on a machine without an RDMA NIC: modprobe rdma_rxe && rdma link add rxe0 type rxe "
-    "netdev eth0; or use backend='tcp'"
-)
 
 
 def _import() -> tuple[Any, ...]:
@@ -104,17 +93,8 @@ _QP_STATE_MASK = 1
 _QPS_ERR = 6
 _WR_RDMA_WRITE, _WR_RDMA_READ = 0, 4
 _SEND_SIGNALED = 2
-_EVENT_FD_LINK = "anon_inode:[infinibandevent]"
 
 _open_lock = threading.Lock()
-
-
-class VerbsError(MoriioError):
-    """A verbs call failed; ``errno`` is the error number rdma-core reported (0 if none)."""
-
-    def __init__(self, message: str, *, errno: int = 0, hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.errno = errno
 
 
 def _errno_of(exc: BaseException) -> int:
@@ -146,41 +126,17 @@ def list_devices() -> list[str]:
     return names
 
 
-def _event_fds() -> set[int]:
-    found: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == _EVENT_FD_LINK:
-                found.add(int(name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-@dataclass(frozen=True, slots=True)
-class RawCompletion:
-    wr_id: int
-    status: int
-    vendor_err: int
-    qp_num: int
-    byte_len: int
-
-
 class Context:
     """An opened device (``ibv_context``) and its async-event fd."""
 
     def __init__(self, name: str) -> None:
         with _open_lock:
-            before = _event_fds()
+            before = event_fds()
             try:
                 self._ctx: Any = _device.Context(name=name)
             except _PyverbsError as exc:
                 raise BackendUnavailable(f"cannot open RDMA device {name!r}: {exc}", hint=NO_DEVICE_HINT) from exc
-            new = _event_fds() - before
+            new = event_fds() - before
         self.name = name
         self.async_fd: int | None = new.pop() if len(new) == 1 else None
         if self.async_fd is not None:
@@ -324,27 +280,6 @@ class CqHandle:
                 self._channel.close()
         except _PyverbsError as exc:
             raise _fail("ibv_destroy_cq", exc) from exc
-
-
-@dataclass(frozen=True, slots=True)
-class PathParams:
-    """What RTR and RTS need, already clipped to the device."""
-
-    port: int
-    sgid_index: int
-    dgid: str
-    dlid: int
-    is_global: bool
-    dest_qp_num: int
-    rq_psn: int
-    sq_psn: int
-    path_mtu: int
-    max_dest_rd_atomic: int
-    max_rd_atomic: int
-    timeout: int
-    retry_cnt: int
-    rnr_retry: int
-    min_rnr_timer: int = 12
 
 
 class QpHandle:

@@ -12,12 +12,13 @@ from ...errors import BackendUnavailable, InvalidArgument
 from ...status import Access, WcStatus
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
 from . import memory
-from ._pyverbs import PYVERBS_VERSION, Context, PdHandle, VerbsError, has_channel_fd, list_devices
+from ._pyverbs import PYVERBS_VERSION, Context, PdHandle, has_channel_fd, list_devices
 from .cq import VerbsCompletionQueue
 from .events import EVENT_NAMES, AsyncEventWatcher
 from .facts import GID_TYPE_NAMES, PORT_STATE_NAMES
 from .gid import choose_gid
 from .qp import QPS_ERR, QPS_SQE, PortConfig, VerbsQueuePair
+from .values import VerbsError
 
 __all__ = ["VerbsBackend"]
 

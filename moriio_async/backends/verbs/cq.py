@@ -30,8 +30,9 @@ import threading
 from ...status import WcStatus
 from ...work import WorkCompletion
 from ..base import CompletionQueue
-from ._pyverbs import Context, CqHandle, VerbsError
+from ._pyverbs import Context, CqHandle
 from .ledger import SendLedger
+from .values import VerbsError
 
 __all__ = ["VerbsCompletionQueue"]
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from ...errors import InvalidArgument, MoriioError
 from ...status import Access
 from ..base import MemoryRegion
-from ._pyverbs import MrHandle, PdHandle, VerbsError
+from ._pyverbs import MrHandle, PdHandle
 from .facts import memlock_limit
+from .values import VerbsError
 
 __all__ = ["VerbsMemoryRegion", "covers", "deregister", "register"]
 

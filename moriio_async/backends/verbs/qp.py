@@ -15,11 +15,12 @@ from ...errors import InvalidArgument
 from ...status import Access, Opcode, WcStatus
 from ...work import WorkRequest
 from ..base import Endpoint, QpState, QueuePair, SendQueueFull
-from ._pyverbs import PathParams, PdHandle, QpHandle, VerbsError
+from ._pyverbs import PdHandle, QpHandle
 from .cq import VerbsCompletionQueue
 from .facts import LINK_LAYER_ETHERNET, DeviceLimits, PortFacts
 from .ledger import FENCE_WR_ID, SendLedger
 from .memory import VerbsMemoryRegion, covers
+from .values import PathParams, VerbsError
 
 __all__ = ["PortConfig", "VerbsQueuePair"]
 
