@@ -90,7 +90,8 @@ class BackendOptions:
     """Verbs: GID table index (the RoCE v2 IPv4-mapped entry when None)."""
     qp_timeout: int = 14
     """Verbs: local ACK timeout exponent (4.096 us * 2**n)."""
-    retry_cnt: int = 7
+    retry_cnt: int = 6
+    """Verbs: transport retries (at most 6: rxe treats 7 as retry forever)."""
     rnr_retry: int = 7
     extra: Mapping[str, Any] = field(default_factory=dict)
 

@@ -41,7 +41,8 @@ class IOEngineConfig:
     ib_port: int = 1
     gid_index: int | None = None
     qp_timeout: int = 14
-    retry_cnt: int = 7
+    retry_cnt: int = 6
+    """Verbs: transport retries (at most 6: rxe treats 7 as retry forever)."""
     rnr_retry: int = 7
     backend_extra: Mapping[str, Any] = field(default_factory=dict)
 

@@ -55,7 +55,8 @@ def test_peer_killed_mid_batch(backend_name: str) -> None:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # Prepend: inside the guest PYTHONPATH already points at the cached pyverbs.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
     )
     try:
         assert proc.stdin is not None and proc.stdout is not None
