@@ -87,6 +87,8 @@ class Result:
     """The model's state after the steps that had run by then."""
     failed_before: bool
     """Some transfer had already failed when the wait began."""
+    last_step: float
+    """Loop time of the last NIC step that ran before the wait ended (or its start)."""
     final: dict[int, WcStatus | None] = field(default_factory=dict)
     expected_final: dict[int, WcStatus | None] = field(default_factory=dict)
 
@@ -118,9 +120,12 @@ async def run(sc: Scenario) -> Result:
             qp = held_qp(p.session)
             model = HeldModel(sc.wrs)
 
+            acted: list[float] = []
+
             def act(step: NicStep) -> None:
                 step.apply(qp)
                 model.apply(step)
+                acted.append(loop.time())
 
             for step in sc.first:
                 act(step)
@@ -140,7 +145,8 @@ async def run(sc: Scenario) -> Result:
             expected = {t.id: model.outcome(i) for i, t in enumerate(ts)}
             for h in handles:
                 h.cancel()
-        result = Result(ts, timeout, start, end, clock.virtual, error, at_return, expected, failed_before)
+        last_step = max([start, *acted])
+        result = Result(ts, timeout, start, end, clock.virtual, error, at_return, expected, failed_before, last_step)
         # A timeout is not a cancellation: the rest still runs, and waiting again gives real outcomes.
         act(NicStep("run", total))
         with contextlib.suppress(TransferError):

@@ -6,13 +6,15 @@ import asyncio
 import contextlib
 import gc
 import json
+import socket
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moriio_async import IOEngine, waiting_for_transfer_complete
+from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
 
 from .conftest import backends, slow_examples
 from .model import engine_pair
@@ -22,7 +24,9 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
-OPS = ["hello", "connect_qp", "close_qp", "memory", "notify", "error", "qp", "ok", "nope"]
+OPS = ["hello", "connect_qp", "connect_qp", "close_qp", "memory", "notify", "error", "qp", "ok", "nope"]
+INCARNATION = "<the target's incarnation>"
+"""Stands for the target engine's real incarnation, known only once it runs (so connect_qp can succeed)."""
 
 
 def engine_dict(key: str) -> st.SearchStrategy[dict[str, Any]]:
@@ -68,7 +72,7 @@ def request(rid: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
     return st.fixed_dictionaries(
         {"op": st.sampled_from(OPS), "id": rid},
         optional={
-            "incarnation": st.one_of(json_values, st.integers(0, 2**63)),
+            "incarnation": st.one_of(json_values, st.integers(0, 2**63), st.just(INCARNATION), st.just(INCARNATION)),
             "endpoint": endpoints,
             "qp": json_values,
             "data": st.one_of(st.text(max_size=12), st.binary(max_size=12).map(lambda b: b.hex())),
@@ -83,27 +87,43 @@ def frame(obj: object) -> bytes:
     return struct.pack("!I", len(body)) + body
 
 
+@dataclass(frozen=True)
+class Talk:
+    """What a hostile client sends (frames as objects, or raw bytes), how it damages the stream, how it leaves."""
+
+    parts: tuple[dict[str, Any] | bytes, ...]
+    damage: tuple[str, float] | None
+    """("cut" | "flip", position as a fraction of the stream)."""
+    leave: str  # "close" | "half" | "wait"
+
+    def render(self, incarnation: int) -> bytes:
+        data = b"".join(
+            p if isinstance(p, bytes) else frame({k: incarnation if v == INCARNATION else v for k, v in p.items()})
+            for p in self.parts
+        )
+        if data and self.damage is not None:
+            how, where = self.damage
+            cut = min(int(where * len(data)), len(data) - 1)
+            data = data[:cut] if how == "cut" else data[:cut] + bytes([data[cut] ^ 0x55]) + data[cut + 1 :]
+        return data
+
+
 @st.composite
-def conversations(draw: st.DrawFn) -> tuple[bytes, str]:
-    """Bytes a hostile client sends, and how it leaves ("close", "half", "wait")."""
+def conversations(draw: st.DrawFn) -> Talk:
     kind = draw(st.sampled_from(["raw", "frames", "hello+frames", "hello+frames"]))
+    parts: list[dict[str, Any] | bytes] = []
     if kind == "raw":
-        data = draw(st.binary(max_size=64))
+        parts.append(draw(st.binary(max_size=64)))
     else:
-        parts = []
         if kind == "hello+frames":
             key = draw(st.text("xyz", min_size=1, max_size=3))  # never a legitimate engine's key
-            parts.append(frame({"op": "hello", "id": draw(st.integers(0, 5)), "engine": draw(engine_dict(key))}))
-        for msg in draw(st.lists(request(st.one_of(st.integers(0, 9), json_values)), max_size=4)):
-            parts.append(frame(msg))
+            parts.append({"op": "hello", "id": draw(st.integers(0, 5)), "engine": draw(engine_dict(key))})
+        parts.extend(draw(st.lists(request(st.one_of(st.integers(0, 9), json_values)), max_size=4)))
         if draw(st.booleans()):
             raw = draw(st.binary(max_size=16))
             parts.append(raw if draw(st.booleans()) else struct.pack("!I", draw(st.integers(0, 2**32 - 1))) + raw)
-        data = b"".join(parts)
-        if data and draw(st.booleans()):
-            cut = draw(st.integers(0, len(data) - 1))
-            data = data[:cut] if draw(st.booleans()) else data[:cut] + bytes([data[cut] ^ 0x55]) + data[cut + 1 :]
-    return data, draw(st.sampled_from(["close", "half", "wait"]))
+    damage = draw(st.one_of(st.none(), st.tuples(st.sampled_from(["cut", "flip"]), st.floats(0, 1))))
+    return Talk(tuple(parts), damage, draw(st.sampled_from(["close", "half", "wait"])))
 
 
 async def hostile(address: str, data: bytes, leave: str) -> None:
@@ -135,9 +155,7 @@ async def settled_links(engine: IOEngine, baseline: int, limit: float = 5.0) -> 
 @settings(max_examples=slow_examples(25))
 @given(st.lists(conversations(), min_size=1, max_size=3))
 @backends()
-async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(
-    backend: str, talks: list[tuple[bytes, str]]
-) -> None:
+async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(backend: str, talks: list[Talk]) -> None:
     """Random and mutated control frames (garbage, bad lengths, bad JSON, hellos with broken
     descriptors, requests of every op with random fields, cut or corrupted streams) never kill the
     listener, never raise into the event loop, and leave no half-registered peer: once the hostile
@@ -146,8 +164,8 @@ async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(
     async with engine_pair(backend, control_timeout=1.0) as p:
         baseline_links = len(p.b._links)
         baseline_channels = dict(p.b._channels)
-        for data, leave in talks:
-            await hostile(p.b.address, data, leave)
+        for talk in talks:
+            await hostile(p.b.address, talk.render(p.b.incarnation), talk.leave)
         await settled_links(p.b, baseline_links)
         gc.collect()  # a task that died with an exception reports it to the loop when collected
         assert len(p.b._links) == baseline_links, "a hostile connection's link outlived it"
@@ -206,3 +224,20 @@ async def test_a_bad_frame_from_a_client_that_hangs_up_at_once_is_dropped_cleanl
         gc.collect()
         assert len(p.b._links) == baseline
         await p.a.connect(p.b.address)
+
+
+@backends()
+async def test_a_hello_that_arrives_while_the_engine_closes_is_dropped_cleanly(backend: str) -> None:
+    """Found by the stateful machine (a peer restarting while the other reconnects): a hello read after
+    close() began made get_engine_desc() raise EngineClosed out of the accept callback."""
+    hello = {"kind": "EngineDesc", "key": "x", "host": "127.0.0.1", "port": 1, "incarnation": 1, "backend": backend}
+    for rounds in range(6):
+        b = await IOEngine("b", IOEngineConfig(backend=backend, control_timeout=1.0)).start()
+        host, port = b.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(frame({"op": "hello", "id": 1, "engine": hello}))
+            for _ in range(rounds):
+                await asyncio.sleep(0)  # the listener accepts; the accept callback comes a few rounds later
+            await b.close()
+        await asyncio.sleep(0.01)
+    gc.collect()

@@ -10,6 +10,7 @@ from moriio_async import Transfer, WcStatus, waiting_for_transfer_complete
 
 from .conftest import backends
 from .model import (
+    HeldModel,
     NicStep,
     engine_pair,
     held_pair,
@@ -18,6 +19,7 @@ from .model import (
     observed,
     post_batch,
     requests_per_transfer,
+    run_until_done,
     settle,
 )
 
@@ -25,29 +27,33 @@ from .model import (
 @given(
     requests_per_transfer,
     st.lists(st.tuples(nic_steps, st.integers(0, 3)), max_size=10),
-    st.integers(1, 8),
+    st.integers(1, 24),
 )
 async def test_completions_on_one_queue_pair_are_delivered_in_posting_order(
     wrs: list[int], script: list[tuple[NicStep, int]], depth: int
 ) -> None:
-    """On one queue pair, transfers end in the order they were posted, however the NIC's completions
-    are batched; and after the first failure every later transfer on that pair fails with a flush
-    error (WR_FLUSH_ERR), never a success."""
+    """On one queue pair, transfers end in the order they were posted, each with what the NIC said
+    about its requests, however the completions are batched; and after the first failure every later
+    transfer on that pair fails with a flush error (WR_FLUSH_ERR), never a success."""
     async with held_pair(sq_depth=depth) as p:
         ts = post_batch(p.session, wrs)
         ended: list[int] = []
         for t in ts:
             t.add_done_callback(lambda t: ended.append(t.id))
         qp = held_qp(p.session)
+        model = HeldModel(wrs)
         for step, rounds in script:
             step.apply(qp)
+            model.apply(step)
             await settle(rounds)
         # Then the NIC runs whatever is left (and whatever the runtime posts as slots free up).
-        while not all(t.done() for t in ts):
-            qp.step(1 << 20)
-            await settle(1)
+        await run_until_done(p.session, ts)
         assert ended == [t.id for t in ts]
         statuses = [observed(t) for t in ts]
+        if depth >= sum(wrs):
+            # Everything was posted at once, so the model knows what each completion said.
+            model.apply(NicStep("run", sum(wrs)))
+            assert statuses == [model.outcome(i) for i in range(len(ts))]
         bad = [i for i, s in enumerate(statuses) if s is not WcStatus.SUCCESS]
         if bad:
             assert all(s is WcStatus.WR_FLUSH_ERR for s in statuses[bad[0] + 1 :]), statuses

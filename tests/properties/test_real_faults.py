@@ -1,0 +1,135 @@
+"""The properties again with real sockets, real threads and real time: the TCP backend with fault plans.
+
+In this process (both loops) and across two processes started by
+``moriio-async faults`` (where a plan may also kill the target). Fewer
+examples than the deterministic suites: each one waits on the clock.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moriio_async import IOEngine, IOEngineConfig
+from moriio_async.backends.faults import Action, FaultPlan, PlanHooks
+from moriio_async.cli.faults import install_hooks, pattern, run_batch
+
+from ..conftest import engine_backends
+from .conftest import slow_examples
+from .plans import expected, in_posting_order, listed_as, plans
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "fault_plans").glob("*.json"))
+N = 8
+TIMEOUT = 1.0
+RETRY = 0.5
+BOUND = 0.5
+
+needs_tcp = pytest.mark.skipif("tcp" not in engine_backends(), reason="needs the tcp backend's fault hooks")
+
+
+async def in_process(plan: FaultPlan, *, n: int, timeout: float, retry: float, op: str = "write") -> Any:
+    """Run the command's batch here: two TCP engines, the plan's halves hooked into each."""
+    cfg = IOEngineConfig(backend="tcp", retry_timeout=retry)
+    target_hooks = PlanHooks(plan.side(target=True))
+    initiator_hooks = PlanHooks(plan.side(target=False))
+    async with IOEngine("faults-target", cfg) as target, IOEngine("faults-initiator", cfg) as initiator:
+        install_hooks(target, target_hooks)
+        install_hooks(initiator, initiator_hooks)
+        target.register_memory(pattern(n * 4096), name="kv")
+        try:
+            return await run_batch(
+                initiator, target.address, transfers=n, size=4096, op=op, timeout=timeout, fail_fast=False
+            )
+        finally:
+            # Closing a queue pair joins its NIC threads, which a stall or a delay may be holding.
+            target_hooks.release()
+            initiator_hooks.release()
+
+
+@functools.cache
+def cli_example(path: Path) -> tuple[dict[str, Any], ...]:
+    """One command-line run per example plan, shared by both loops' tests."""
+    return tuple(cli(path, "--timeout", str(TIMEOUT), "--retry-timeout", str(RETRY)))
+
+
+def cli(plan: Path, *extra: str) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "moriio_async.cli.faults", str(plan), "--json", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def check_properties(outcomes: list[str], listed: list[str | None], elapsed: float, reached: bool, t: float) -> None:
+    assert elapsed <= t + BOUND, f"the wait ended {elapsed - t:.3f}s after its deadline"
+    if "TIMEOUT" in outcomes:
+        assert reached, "a timeout was declared before the deadline"
+    assert in_posting_order(outcomes), outcomes
+    assert listed == [listed_as(o) for o in outcomes]
+
+
+@needs_tcp
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+async def test_example_plans_show_the_same_outcomes_from_the_command_line_and_in_process(path: Path) -> None:
+    """Each example plan gives, from `moriio-async faults` (two processes) and in this process, the
+    outcomes its one rule implies."""
+    plan = FaultPlan.load(path)
+    want = expected(plan, N, timeout=TIMEOUT, retry_timeout=RETRY)
+    events = cli_example(path)
+    got = [e["outcome"] for e in events if e["event"] == "transfer"]
+    assert got == want
+    if not plan.kills:
+        here = await in_process(plan, n=N, timeout=TIMEOUT, retry=RETRY)
+        assert here.outcomes == want
+    else:
+        assert next(e for e in events if e["event"] == "target_end")["returncode"] == -9
+
+
+@needs_tcp
+@settings(max_examples=slow_examples(6))
+@given(plans(6, kill=False, max_seconds=0.4), st.sampled_from(["write", "read"]))
+async def test_fault_plans_on_the_tcp_backend_keep_deadline_ordering_and_accounting(plan: FaultPlan, op: str) -> None:
+    """With real sockets and real time, under any plan of delays, error statuses, dropped connections
+    and stalls: the wait ends by T plus a small bound and declares no timeout before T; on the one
+    queue pair the outcomes are successes, then a failure and flushes or what was still pending; the
+    TransferError lists exactly the transfers that did not succeed; READ data that succeeded is right."""
+    timeout = 0.3
+    r = await in_process(plan, n=6, timeout=timeout, retry=0.2, op=op)
+    check_properties(r.outcomes, r.listed, r.elapsed, r.deadline_reached, timeout)
+    assert all(ok is not False for ok in r.data_ok)
+
+
+@needs_tcp
+@settings(max_examples=slow_examples(3))
+@given(plans(6, kill=True, max_seconds=1.5))
+def test_fault_plans_across_two_processes_keep_deadline_ordering_and_accounting(
+    tmp_path_factory: pytest.TempPathFactory, plan: FaultPlan
+) -> None:
+    """The same across two processes and real sockets, where a plan may also kill the target
+    process: the deadline, posting order and exact accounting hold from the command line's view."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.dump(path)
+    events = cli(path, "--transfers", "6", "--timeout", "1.0", "--retry-timeout", "0.5")
+    transfers = [e for e in events if e["event"] == "transfer"]
+    summary = next(e for e in events if e["event"] == "summary")
+    check_properties(
+        [e["outcome"] for e in transfers],
+        [e["listed"] for e in transfers],
+        summary["elapsed"],
+        summary["deadline_reached"],
+        1.0,
+    )
+    if any(r.action is Action.KILL for r in plan.rules) and "RETRY_EXC_ERR" in summary["outcomes"]:
+        assert next(e for e in events if e["event"] == "target_end")["returncode"] in (-9, 0)
