@@ -326,15 +326,21 @@ class IOEngine:
                 await link.send({"op": "error", "reason": "handshake", "message": str(exc)})
             link.close()
             return
+        if self.closed:
+            link.close()  # close() began while the hello was on its way: no answer, no new peer
+            return
         self._adopt_link(link, desc)
-        await link.send(
-            {
-                "op": "hello",
-                "re": first["id"],
-                "engine": self.get_engine_desc().to_dict(),
-                "memory": self._exported(),
-            }
-        )
+        try:
+            await link.send(
+                {
+                    "op": "hello",
+                    "re": first["id"],
+                    "engine": self.get_engine_desc().to_dict(),
+                    "memory": self._exported(),
+                }
+            )
+        except ControlPlaneError:
+            return  # the client left before the answer; send() closed the link
         link.start()
 
     async def _handle(self, link: ControlLink, msg: dict[str, Any]) -> dict[str, Any] | None:
