@@ -38,7 +38,6 @@ import enum
 import json
 import math
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,8 +238,9 @@ class PlanHooks(Hooks):
 
     ``on_kill`` is what a ``kill`` rule calls; a plan with kill rules is
     refused without it, so a test process never kills itself by accident.
-    ``release()`` ends every stall, present and future; call it before
-    closing a backend whose responder may be stalled (closing joins it).
+    ``release()`` ends every stall and delay, present and future; call it
+    before closing a backend whose NIC threads may be held by one (closing a
+    queue pair joins them).
     """
 
     def __init__(
@@ -248,7 +248,7 @@ class PlanHooks(Hooks):
         plan: FaultPlan,
         *,
         on_kill: Callable[[], None] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         if plan.kills and on_kill is None:
             raise InvalidArgument(
@@ -257,9 +257,9 @@ class PlanHooks(Hooks):
             )
         self.plan = plan
         self._on_kill = on_kill
-        self._sleep = sleep
         self._lock = threading.Lock()
         self._released = threading.Event()
+        self._sleep = sleep if sleep is not None else self._released.wait
         self._sent = _Counter()
         self._served = _Counter()
         self._positions: dict[tuple[int, int], tuple[int, int]] = {}

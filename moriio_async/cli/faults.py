@@ -176,6 +176,7 @@ async def _initiator(args: argparse.Namespace, plan: FaultPlan) -> int:
             timeout=args.timeout,
             fail_fast=args.fail_fast,
         )
+        hooks.release()  # a delayed completion holds a NIC thread that closing the engine joins
         for i, (outcome, listed, ok) in enumerate(zip(result.outcomes, result.listed, result.data_ok, strict=True)):
             _emit({"event": "transfer", "index": i, "op": args.op, "bytes": args.size, "outcome": outcome,
                    "listed": listed, "data_ok": ok})  # fmt: skip
