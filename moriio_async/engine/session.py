@@ -180,8 +180,8 @@ class Session:
         declared flushed. Afterwards the session holds no request and no pin;
         the next transfer reconnects on a new queue pair.
         """
-        if self.channel.idle:
-            return
+        # Even an idle pair is failed on purpose: the caller aborts because it distrusts the
+        # connection (a peer that died silently leaves an idle pair looking healthy).
         self.channel.begin_abort()
         self._engine._drain()
         try:

@@ -41,7 +41,7 @@ async def test_timeout_lists_every_pending_transfer_and_they_go_on(held: Pair) -
     with pytest.raises(TransferError) as info:
         await waiting_for_transfer_complete(ts, timeout=0.2)
     elapsed = loop.time() - start
-    assert 0.2 <= elapsed < 0.2 + 1.0
+    assert 0.2 - 1e-6 <= elapsed < 0.2 + 1.0  # loop time; the tolerance is float rounding only
     assert info.value.failed == []
     assert sorted(e.transfer_id for e in info.value.timed_out) == [t.id for t in ts[1:]]
     assert str(info.value).startswith("3/4 transfers failed:")
