@@ -21,7 +21,9 @@ The semantics every backend keeps (the conformance suite checks them):
   completes. After the first error the pair is in the error state and every
   outstanding and later request completes with ``WR_FLUSH_ERR``. A peer that
   vanishes makes the oldest outstanding request complete with
-  ``RETRY_EXC_ERR``, the rest with ``WR_FLUSH_ERR``. A send-queue slot is
+  ``RETRY_EXC_ERR`` (Soft-RoCE with both ends on one device says
+  ``REM_ACCESS_ERR``: it sees the peer's pair destroyed), the rest with
+  ``WR_FLUSH_ERR``. A send-queue slot is
   held from ``post_send`` until the completion that covers the request (its
   own, or a later signaled one on the same pair) has been polled.
 * A fatal condition a backend learns of off the event loop (device event,
