@@ -140,6 +140,7 @@ def observed(t: Transfer) -> WcStatus | None:
 @contextlib.asynccontextmanager
 async def held_pair(silent: bool = False, **config: object) -> AsyncIterator[Pair]:
     """Two mock engines whose NIC runs a request only when the test steps it."""
+    config.setdefault("abort_timeout", 1.0)  # a runtime broken on purpose should fail fast, not hang in abort
     a, b, p = await make_pair("mock", backend_extra={"hold": True, "silent_cq": silent}, **config)
     try:
         yield p

@@ -111,14 +111,19 @@ class Talk:
 
 @st.composite
 def conversations(draw: st.DrawFn) -> Talk:
-    kind = draw(st.sampled_from(["raw", "frames", "hello+frames", "hello+frames"]))
+    kind = draw(st.sampled_from(["raw", "frames", "hello+frames", "hello+frames", "hello+connect_qp"]))
     parts: list[dict[str, Any] | bytes] = []
     if kind == "raw":
         parts.append(draw(st.binary(max_size=64)))
     else:
-        if kind == "hello+frames":
+        if kind.startswith("hello"):
             key = draw(st.text("xyz", min_size=1, max_size=3))  # never a legitimate engine's key
             parts.append({"op": "hello", "id": draw(st.integers(0, 5)), "engine": draw(engine_dict(key))})
+        if kind == "hello+connect_qp":
+            # A request the target grants: it opens an answering queue pair for this hostile peer.
+            endpoint = {"backend": draw(st.sampled_from(["tcp", "mock"])), "accepting": False, "host": "127.0.0.1",
+                        "port": 1, "qp_num": 1, "token": draw(st.binary(min_size=16, max_size=16)).hex()}  # fmt: skip
+            parts.append({"op": "connect_qp", "id": 7, "incarnation": INCARNATION, "endpoint": endpoint})
         parts.extend(draw(st.lists(request(st.one_of(st.integers(0, 9), json_values)), max_size=4)))
         if draw(st.booleans()):
             raw = draw(st.binary(max_size=16))
