@@ -92,3 +92,18 @@ def pair(backend: Backend) -> Pair:
     cq = backend.create_cq(4096)
     active, passive = connect(backend, cq)
     return Pair(backend, cq, active, passive, src, dst, src_buf, dst_buf)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """After a host run that booted the Soft-RoCE guest: its devices and every guest test's outcome."""
+    from . import test_guest_suite as bridge
+
+    for guests, run in sorted(bridge._runs.items()):
+        terminalreporter.section(f"Soft-RoCE guest run: {guests} guest(s), exit {run.exit_code}, {run.seconds:.0f}s")
+        for line in run.devices:
+            terminalreporter.write_line(line)
+        counts: dict[str, int] = {}
+        for (classname, name), result in sorted(run.results.items()):
+            counts[result.outcome] = counts.get(result.outcome, 0) + 1
+            terminalreporter.write_line(f"{result.outcome.upper():8} {classname}::{name} ({result.seconds:.2f}s)")
+        terminalreporter.write_line(", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())))

@@ -99,6 +99,8 @@ class GuestRun:
     exit_code: int
     seconds: float
     log_tail: str
+    devices: list[str]
+    """The guests' own report of their RDMA devices (``rdma link``, port state, GID)."""
 
 
 def _parse(xml_path: Path) -> dict[tuple[str, str], GuestResult]:
@@ -144,7 +146,8 @@ def _run_guest(guests: int) -> GuestRun:
             if key not in results or result.outcome == "failed":
                 text = f"[guest {role}] {result.text}" if guests > 1 else result.text
                 results[key] = GuestResult(result.outcome, text, result.seconds)
-    return GuestRun(results, proc.returncode, seconds, tail)
+    devices = [line.strip() for line in log.splitlines() if re.search(r"link rxe|hca_id|state:|GID\[|active_mtu", line)]
+    return GuestRun(results, proc.returncode, seconds, tail, devices)
 
 
 _runs: dict[int, GuestRun] = {}
