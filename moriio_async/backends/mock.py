@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
 import secrets
 import threading
 from collections import deque
@@ -30,8 +29,9 @@ from ..errors import InvalidArgument
 from ..status import Access, Opcode, WcStatus
 from ..work import WorkCompletion, WorkRequest
 from .base import Backend, BackendOptions, CompletionQueue, Endpoint, MemoryRegion, QpState, QueuePair, SendQueueFull
+from .tcp.cq import TcpCompletionQueue
 
-__all__ = ["MockBackend", "MockCompletionQueue", "MockQueuePair", "open_backend"]
+__all__ = ["MockBackend", "MockQueuePair", "open_backend"]
 
 _passive: dict[str, MockQueuePair] = {}
 _registry_lock = threading.Lock()
@@ -42,66 +42,19 @@ def _address_of(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-class MockCompletionQueue(CompletionQueue):
-    def __init__(self, silent: bool = False) -> None:
-        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._silent = silent
-        self._entries: deque[WorkCompletion] = deque()
-        self._armed = False
-        self._lock = threading.Lock()
-        self._owners: dict[int, MockQueuePair] = {}
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def req_notify(self) -> None:
-        with self._lock:
-            self._armed = True
-
-    def get_event(self) -> bool:
-        try:
-            os.eventfd_read(self._fd)
-        except BlockingIOError:
-            return False
-        return True
-
-    def push(self, wc: WorkCompletion) -> None:
-        with self._lock:
-            self._entries.append(wc)
-            fire, self._armed = self._armed, False
-        if fire and not self._silent:
-            os.eventfd_write(self._fd, 1)
-
-    def poll(self, max_entries: int = 64) -> list[WorkCompletion]:
-        out: list[WorkCompletion] = []
-        with self._lock:
-            while self._entries and len(out) < max_entries:
-                out.append(self._entries.popleft())
-        for wc in out:
-            owner = self._owners.get(wc.qp_num)
-            if owner is not None:
-                owner._release(wc.wr_id)
-        return out
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 class MockQueuePair(QueuePair):
-    def __init__(self, backend: MockBackend, cq: MockCompletionQueue) -> None:
+    def __init__(self, backend: MockBackend, cq: TcpCompletionQueue) -> None:
         self.qp_num = next(_qp_numbers)
         self.max_send_wr = backend.options.sq_depth
         self.max_sge = backend.options.max_sge
         self._backend = backend
         self._cq = cq
-        cq._owners[self.qp_num] = self
         self._state = QpState.INIT
         self._token = secrets.token_hex(8)
         self._peer: MockQueuePair | None = None
         self._held: deque[WorkRequest] = deque()
-        self._slots: deque[int] = deque()  # wr_ids holding a send-queue slot, in order
+        self._in_use = 0  # send-queue slots held until the covering completion is polled
+        self._uncovered: deque[int] = deque()  # wr_ids no completion has covered yet, in order
         self._fail_next: WcStatus | None = None
         self.hold = bool(backend.options.extra.get("hold", False))
 
@@ -126,10 +79,11 @@ class MockQueuePair(QueuePair):
         self._state = QpState.RTS
 
     def post_send(self, wrs: Sequence[WorkRequest]) -> None:
-        if len(self._slots) + len(wrs) > self.max_send_wr:
-            raise SendQueueFull(f"{len(wrs)} requests, {self.max_send_wr - len(self._slots)} free slots")
+        if self._in_use + len(wrs) > self.max_send_wr:
+            raise SendQueueFull(f"{len(wrs)} requests, {self.max_send_wr - self._in_use} free slots")
+        self._in_use += len(wrs)
         for wr in wrs:
-            self._slots.append(wr.wr_id)
+            self._uncovered.append(wr.wr_id)
             self._held.append(wr)
         if not self.hold or self._state == QpState.ERR:
             self.step(len(self._held))
@@ -187,12 +141,15 @@ class MockQueuePair(QueuePair):
 
     def _complete(self, wr: WorkRequest, status: WcStatus) -> None:
         byte_len = wr.length if status is WcStatus.SUCCESS else 0
-        self._cq.push(WorkCompletion(wr.wr_id, status, wr.opcode, byte_len, self.qp_num))
-
-    def _release(self, wr_id: int) -> None:
-        while self._slots:
-            if self._slots.popleft() == wr_id:
+        covered = 0  # this completion covers every earlier request without one of its own
+        while self._uncovered:
+            covered += 1
+            if self._uncovered.popleft() == wr.wr_id:
                 break
+        self._cq.push(WorkCompletion(wr.wr_id, status, wr.opcode, byte_len, self.qp_num), self, covered)
+
+    def release_slots(self, n: int) -> None:
+        self._in_use -= n
 
     def to_error(self) -> None:
         self._state = QpState.ERR
@@ -202,7 +159,6 @@ class MockQueuePair(QueuePair):
         self.to_error()
         with _registry_lock:
             _passive.pop(self._token, None)
-        self._cq._owners.pop(self.qp_num, None)
 
 
 class MockBackend(Backend):
@@ -243,10 +199,10 @@ class MockBackend(Backend):
         return region.view[addr - region.addr : addr - region.addr + length]
 
     def create_cq(self, depth: int) -> CompletionQueue:
-        return MockCompletionQueue(silent=bool(self.options.extra.get("silent_cq", False)))
+        return TcpCompletionQueue(depth, notify=not self.options.extra.get("silent_cq", False))
 
     def create_qp(self, cq: CompletionQueue) -> QueuePair:
-        if not isinstance(cq, MockCompletionQueue):
+        if not isinstance(cq, TcpCompletionQueue):
             raise InvalidArgument("a mock queue pair needs a mock completion queue")
         return MockQueuePair(self, cq)
 

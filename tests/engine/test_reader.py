@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 from moriio_async.aio.cq_reader import CompletionReader
-from moriio_async.backends.mock import MockCompletionQueue
+from moriio_async.backends.tcp.cq import TcpCompletionQueue
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import WorkCompletion
 
@@ -15,11 +15,26 @@ def wc(i: int) -> WorkCompletion:
     return WorkCompletion(i, WcStatus.SUCCESS, Opcode.RDMA_WRITE, 1, 1)
 
 
+class NoSlots:
+    def release_slots(self, n: int) -> None:
+        pass
+
+
+class Queue(TcpCompletionQueue):
+    """The software NIC's completion queue, fed directly by the test."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 16)
+
+    def add(self, completion: WorkCompletion) -> None:
+        self.push(completion, NoSlots(), 0)
+
+
 async def test_completions_racing_the_rearm_are_never_missed() -> None:
     """A producer thread adds completions in bursts while the loop re-arms; every one is seen
     through fd wakeups alone (no drain is called by the test, no timer polls)."""
     loop = asyncio.get_running_loop()
-    cq = MockCompletionQueue()
+    cq = Queue()
     total = 20000
     seen: list[int] = []
     all_seen = loop.create_future()
@@ -34,7 +49,7 @@ async def test_completions_racing_the_rearm_are_never_missed() -> None:
 
     def produce() -> None:
         for i in range(total):
-            cq.push(wc(i))
+            cq.add(wc(i))
             if i % 97 == 0:
                 threading.Event().wait(0.0001)  # let the loop thread interleave
 
@@ -55,10 +70,10 @@ async def test_completions_racing_the_rearm_are_never_missed() -> None:
 async def test_polling_before_arming_would_miss_a_completion() -> None:
     """The reader's order matters: a completion added between an empty poll and the arm raises
     no event. This shows the hazard the reader's order avoids, on the same queue type."""
-    cq = MockCompletionQueue()
+    cq = Queue()
     try:
         assert cq.poll() == []  # wrong order: poll first ...
-        cq.push(wc(1))  # ... a completion lands before the arm ...
+        cq.add(wc(1))  # ... a completion lands before the arm ...
         cq.req_notify()  # ... and arming now raises nothing for it.
         assert cq.get_event() is False
         # The reader's order (get_event, arm, then poll) finds it.
@@ -70,7 +85,7 @@ async def test_polling_before_arming_would_miss_a_completion() -> None:
 async def test_fallback_polling_without_a_channel_fd() -> None:
     loop = asyncio.get_running_loop()
 
-    class NoFdQueue(MockCompletionQueue):
+    class NoFdQueue(Queue):
         def fileno(self) -> int:
             return -1
 
@@ -87,7 +102,7 @@ async def test_fallback_polling_without_a_channel_fd() -> None:
     reader.start()
     try:
         for i in range(3):
-            cq.push(wc(i))
+            cq.add(wc(i))
         reader.kick()
         await asyncio.wait_for(done, 5)
         assert reader.statistics().fallback_polling
@@ -99,13 +114,13 @@ async def test_fallback_polling_without_a_channel_fd() -> None:
 
 async def test_close_removes_the_reader() -> None:
     loop = asyncio.get_running_loop()
-    cq = MockCompletionQueue()
+    cq = Queue()
     calls: list[int] = []
     reader = CompletionReader(loop, cq, lambda wcs: calls.append(len(wcs)))
     reader.start()
     reader.close()
     reader.close()
-    cq.push(wc(1))  # the queue was armed: this makes the fd readable
+    cq.add(wc(1))  # the queue was armed: this makes the fd readable
     for _ in range(20):
         await asyncio.sleep(0)
     assert calls == []  # nobody is watching the fd any more

@@ -27,8 +27,12 @@ class SlotOwner(Protocol):
 
 
 class TcpCompletionQueue(CompletionQueue):
-    def __init__(self, depth: int) -> None:
-        self.depth = depth  # advisory: the deque grows as needed (a verbs CQ overrun is fatal; here nothing is lost)
+    """Also the mock backend's queue. ``notify=False`` never writes the channel: a NIC that
+    lost its wakeups, for tests of what only an explicit drain finds."""
+
+    def __init__(self, depth: int, *, notify: bool = True) -> None:
+        self.depth = depth
+        self._notify = notify  # advisory: the deque grows as needed (a verbs CQ overrun is fatal; here nothing is lost)
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._lock = threading.Lock()
         self._entries: deque[tuple[WorkCompletion, SlotOwner, int]] = deque()
@@ -52,7 +56,7 @@ class TcpCompletionQueue(CompletionQueue):
         """Add one completion that, once polled, frees ``slots`` slots of ``owner``."""
         with self._lock:
             self._entries.append((wc, owner, slots))
-            if self._armed:
+            if self._armed and self._notify:
                 self._armed = False
                 # Written under the lock so close() cannot close the fd under us.
                 if self._fd >= 0:
