@@ -10,18 +10,17 @@ ignored, keeps failures readable.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
+
+import pytest
+
+from ..conftest import engine_backends
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     with contextlib.suppress(ImportError):
         import hypothesis.extra._patching  # noqa: F401
-
-import os
-
-import pytest
-
-from ..conftest import engine_backends
 
 FAULTS = {
     "mock": "held requests stepped by the test, fail_next, vanish, silent completion queue",
