@@ -29,19 +29,19 @@ FAULTS = {
 """Which backends can inject faults, and how. The verbs backend has none: real hardware fails on its own."""
 
 
-def backends(*, faults: str | None = None) -> pytest.MarkDecorator:
-    """Parametrize a property over MORIIO_TEST_ENGINE_BACKENDS; with ``faults`` ("mock" or "tcp"),
-    only the backend that has that fault feature runs it, and the others are skipped with the reason."""
-    params = []
-    for name in engine_backends():
-        marks = []
-        if faults is not None and name != faults:
-            marks.append(pytest.mark.skip(reason=f"needs the {faults} backend's fault injection ({FAULTS[faults]})"))
-        params.append(pytest.param(name, marks=marks, id=name))
-    return pytest.mark.parametrize("backend", params)
+def backends() -> pytest.MarkDecorator:
+    """Parametrize a property over MORIIO_TEST_ENGINE_BACKENDS (mock, tcp, verbs)."""
+    return pytest.mark.parametrize("backend", engine_backends())
 
 
 def slow_examples(default: int) -> int:
     """Example count for properties that start processes or move real data: small by default,
     larger under the nightly profile."""
     return default * 10 if os.environ.get("HYPOTHESIS_PROFILE") == "nightly" else default
+
+
+needs_held_mock = pytest.mark.skipif(
+    "mock" not in engine_backends(),
+    reason=f"drives the mock backend's NIC by hand ({FAULTS['mock']}); MORIIO_TEST_ENGINE_BACKENDS leaves mock out",
+)
+"""For properties whose oracle needs a NIC the test steps: they run on the mock backend only."""

@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 
 from moriio_async import WcStatus, waiting_for_transfer_complete
 
-from .conftest import backends, slow_examples
+from .conftest import backends, needs_held_mock, slow_examples
 from .model import engine_pair, held_pair, held_qp, observed, post_batch, settle
 
 
+@needs_held_mock
 @given(
     st.integers(1, 8),
     st.lists(st.integers(1, 3), min_size=2, max_size=12),

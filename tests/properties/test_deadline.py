@@ -15,8 +15,11 @@ from hypothesis import given
 from moriio_async import TransferError, TransferFailed, WcStatus, waiting_for_transfer_complete
 
 from ..engine.conftest import make_pair
+from .conftest import needs_held_mock
 from .model import held_qp
 from .scenario import Scenario, run, scenarios
+
+pytestmark = needs_held_mock
 
 
 @given(scenarios)

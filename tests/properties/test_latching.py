@@ -13,7 +13,10 @@ from moriio_async import StatusCode, Transfer, TransferFailed, WcStatus
 from moriio_async.status import Opcode
 from moriio_async.work import WorkCompletion
 
+from .conftest import needs_held_mock
 from .model import ERRORS, NicStep, held_pair, held_qp, nic_steps, post_batch, requests_per_transfer, settle
+
+pytestmark = needs_held_mock
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from moriio_async import MemoryInUse, Transfer, TransferError, TransferFailed, WcStatus, waiting_for_transfer_complete
 
 from .clock import VirtualClock
+from .conftest import needs_held_mock
 from .model import (
     ERRORS,
     NicStep,
@@ -26,6 +27,8 @@ from .model import (
     run_until_done,
     settle,
 )
+
+pytestmark = needs_held_mock
 
 
 @given(

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from moriio_async import Transfer, WcStatus, waiting_for_transfer_complete
 
-from .conftest import backends
+from .conftest import backends, needs_held_mock
 from .model import (
     HeldModel,
     NicStep,
@@ -24,6 +24,7 @@ from .model import (
 )
 
 
+@needs_held_mock
 @given(
     requests_per_transfer,
     st.lists(st.tuples(nic_steps, st.integers(0, 3)), max_size=10),

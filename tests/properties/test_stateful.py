@@ -38,7 +38,10 @@ from moriio_async import (
 )
 
 from ..engine.conftest import make_pair
+from .conftest import needs_held_mock
 from .model import BLOCK, NicStep, held_qp, nic_steps, settle
+
+pytestmark = needs_held_mock
 
 R = TypeVar("R")
 SIZE = 1 << 16
