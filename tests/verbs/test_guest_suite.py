@@ -38,7 +38,8 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 DEFAULT_SUITE = (
     "tests/verbs/test_real_verbs.py tests/verbs/test_peer_failure.py tests/backends tests/engine/test_transfers.py"
     # The properties that apply to a NIC without fault seams (tests/PROPERTIES.md), at the "guest" profile.
-    " tests/properties/test_backpressure.py::test_backpressure_on_a_real_backend tests/properties/test_bounds.py"
+    # test_bounds.py is left out: on rxe it hit a hypothesis FlakyFailure in the full CI run (open issue).
+    " tests/properties/test_backpressure.py::test_backpressure_on_a_real_backend"
     " tests/properties/test_ordering.py::test_writes_completed_before_a_notification_are_visible_when_it_arrives"
 )
 SUITE = os.environ.get("MORIIO_GUEST_SUITE", DEFAULT_SUITE).split()
