@@ -3,15 +3,30 @@
 These mirror ``ibv_sge``, ``ibv_send_wr`` and ``ibv_wc`` closely enough that the
 verbs backend translates them field by field, and the TCP backend emulates the
 same contract.
+
+The data path speaks ``WorkBatch``: many work requests as columns of numpy
+arrays, so a batch of thousands of KV-cache blocks is checked, planned, posted
+and accounted without a Python object per request. ``WorkRequest`` is the
+one-request view of the same thing, for tests, hooks and error messages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from .status import Opcode, WcStatus
 
-__all__ = ["Sge", "WorkCompletion", "WorkRequest"]
+__all__ = ["Sge", "WorkBatch", "WorkCompletion", "WorkRequest"]
+
+U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+Bools = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +56,120 @@ class WorkRequest:
     @property
     def length(self) -> int:
         return sum(s.length for s in self.sges)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WorkBatch:
+    """``n`` work requests as parallel arrays; request ``i`` has wr_id ``wr_id + i``.
+
+    Request ``i`` gathers (WRITE) or scatters (READ) the local entries
+    ``sge_start[i]:sge_start[i + 1]`` of the ``sge_*`` arrays, and moves
+    ``length[i]`` bytes (their sum) to or from ``remote_addr[i]`` under
+    ``rkey[i]``. wr_ids are consecutive because one queue pair's requests
+    are numbered in posting order; a completion then names a position.
+
+    The arrays are never written after construction; backends read them
+    (vectorised checks, ``tolist()`` once for loops) and keep no reference
+    past the completions of the requests.
+    """
+
+    wr_id: int
+    opcode: U8
+    remote_addr: U64
+    rkey: U32
+    length: U64
+    signaled: Bools
+    sge_start: I64
+    sge_addr: U64
+    sge_length: U64
+    sge_lkey: U32
+
+    def __len__(self) -> int:
+        return len(self.opcode)
+
+    @property
+    def last_wr_id(self) -> int:
+        return self.wr_id + len(self.opcode) - 1
+
+    def request(self, i: int) -> WorkRequest:
+        """Request ``i`` as a ``WorkRequest`` (slow path: hooks, errors, tests)."""
+        a, b = int(self.sge_start[i]), int(self.sge_start[i + 1])
+        sges = tuple(
+            Sge(int(addr), int(n), int(key))
+            for addr, n, key in zip(self.sge_addr[a:b], self.sge_length[a:b], self.sge_lkey[a:b], strict=True)
+        )
+        return WorkRequest(
+            self.wr_id + i,
+            Opcode(int(self.opcode[i])),
+            sges,
+            int(self.remote_addr[i]),
+            int(self.rkey[i]),
+            bool(self.signaled[i]),
+        )
+
+    def requests(self) -> list[WorkRequest]:
+        return [self.request(i) for i in range(len(self))]
+
+    def slice(self, start: int, stop: int | None = None) -> WorkBatch:
+        """Requests ``start:stop`` as a batch of their own (views, no copy of the request columns)."""
+        n = len(self)
+        stop = n if stop is None else min(stop, n)
+        start = max(0, min(start, stop))
+        a, b = int(self.sge_start[start]), int(self.sge_start[stop])
+        return WorkBatch(
+            self.wr_id + start,
+            self.opcode[start:stop],
+            self.remote_addr[start:stop],
+            self.rkey[start:stop],
+            self.length[start:stop],
+            self.signaled[start:stop],
+            self.sge_start[start : stop + 1] - a,
+            self.sge_addr[a:b],
+            self.sge_length[a:b],
+            self.sge_lkey[a:b],
+        )
+
+    @classmethod
+    def from_requests(cls, wrs: Sequence[WorkRequest]) -> WorkBatch:
+        """Pack ``WorkRequest`` values (wr_ids must be consecutive) into a batch."""
+        if not wrs:
+            return cls.empty()
+        first = wrs[0].wr_id
+        for i, wr in enumerate(wrs):
+            if wr.wr_id != first + i:
+                raise ValueError(f"wr_ids must be consecutive: request {i} has {wr.wr_id}, expected {first + i}")
+        counts = [len(wr.sges) for wr in wrs]
+        sges = [s for wr in wrs for s in wr.sges]
+        start = np.zeros(len(wrs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=start[1:])
+        return cls(
+            first,
+            np.fromiter((int(wr.opcode) for wr in wrs), dtype=np.uint8, count=len(wrs)),
+            np.fromiter((wr.remote_addr for wr in wrs), dtype=np.uint64, count=len(wrs)),
+            np.fromiter((wr.rkey for wr in wrs), dtype=np.uint32, count=len(wrs)),
+            np.fromiter((wr.length for wr in wrs), dtype=np.uint64, count=len(wrs)),
+            np.fromiter((wr.signaled for wr in wrs), dtype=np.bool_, count=len(wrs)),
+            start,
+            np.fromiter((s.addr for s in sges), dtype=np.uint64, count=len(sges)),
+            np.fromiter((s.length for s in sges), dtype=np.uint64, count=len(sges)),
+            np.fromiter((s.lkey for s in sges), dtype=np.uint32, count=len(sges)),
+        )
+
+    @classmethod
+    def empty(cls) -> WorkBatch:
+        z64 = np.zeros(0, dtype=np.uint64)
+        return cls(
+            0,
+            np.zeros(0, dtype=np.uint8),
+            z64,
+            np.zeros(0, dtype=np.uint32),
+            z64,
+            np.zeros(0, dtype=np.bool_),
+            np.zeros(1, dtype=np.int64),
+            z64,
+            z64,
+            np.zeros(0, dtype=np.uint32),
+        )
 
 
 @dataclass(frozen=True, slots=True)

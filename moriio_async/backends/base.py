@@ -24,8 +24,14 @@ The semantics every backend keeps (the conformance suite checks them):
   ``RETRY_EXC_ERR`` (Soft-RoCE with both ends on one device says
   ``REM_ACCESS_ERR``: it sees the peer's pair destroyed), the rest with
   ``WR_FLUSH_ERR``. A send-queue slot is
-  held from ``post_send`` until the completion that covers the request (its
+  held from ``post`` until the completion that covers the request (its
   own, or a later signaled one on the same pair) has been polled.
+* Batches: ``post`` takes a ``WorkBatch`` (arrays, consecutive wr_ids) and
+  posts it all or nothing. A backend keeps the batch as arrays as far as it
+  can (one doorbell, one header pass, one vectorised check), so the cost of
+  a batch grows with its bytes and its signaled requests, not with Python
+  objects per request. Only signaled requests and failures make
+  completions, so accounting a batch above is O(signaled), not O(requests).
 * A fatal condition a backend learns of off the event loop (device event,
   dead connection) is reported through the completion queue as completions,
   never as an exception in some other thread.
@@ -48,7 +54,7 @@ from typing import Any, ClassVar
 
 from ..errors import MoriioError
 from ..status import Access
-from ..work import WorkCompletion, WorkRequest
+from ..work import WorkBatch, WorkCompletion, WorkRequest
 
 __all__ = [
     "Backend",
@@ -170,8 +176,12 @@ class QueuePair(abc.ABC):
         """Bring the pair to RTS against the peer's endpoint. May block; call off the loop."""
 
     @abc.abstractmethod
+    def post(self, batch: WorkBatch) -> None:
+        """Post a batch in order; all or none (``SendQueueFull``, ``InvalidArgument``). Never blocks."""
+
     def post_send(self, wrs: Sequence[WorkRequest]) -> None:
-        """Post requests in order; all or none (``SendQueueFull``). Never blocks."""
+        """Post ``WorkRequest`` values (consecutive wr_ids): ``post`` of the packed batch."""
+        self.post(WorkBatch.from_requests(wrs))
 
     @abc.abstractmethod
     def to_error(self) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import ControlPlaneError, InvalidArgument, PeerError
 from ...status import Opcode, WcStatus
-from ...work import WorkCompletion, WorkRequest
+from ...work import WorkBatch, WorkCompletion, WorkRequest
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from .cq import TcpCompletionQueue
 from .hooks import Hooks
@@ -142,6 +142,10 @@ class TcpQueuePair(QueuePair):
             self._sock = sock
             self._state = QpState.RTS
             self._threads = self._start_threads(sock)
+
+    def post(self, batch: WorkBatch) -> None:
+        # Transitional: the per-request path below, until this backend posts batches natively.
+        self.post_send(batch.requests())
 
     def post_send(self, wrs: Sequence[WorkRequest]) -> None:
         n = len(wrs)

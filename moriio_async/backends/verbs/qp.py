@@ -13,7 +13,7 @@ from typing import Any
 
 from ...errors import InvalidArgument
 from ...status import Access, Opcode, WcStatus
-from ...work import WorkRequest
+from ...work import WorkBatch, WorkRequest
 from ..base import Endpoint, QpState, QueuePair, SendQueueFull
 from ._pyverbs import PdHandle, QpHandle
 from .cq import VerbsCompletionQueue
@@ -139,6 +139,10 @@ class VerbsQueuePair(QueuePair):
         )
         self.handle.connect(params)
         log.debug("QP %d connected to QP %d (gid %s, mtu enum %d)", self.qp_num, qpn, gid, params.path_mtu)
+
+    def post(self, batch: WorkBatch) -> None:
+        # Transitional: the per-request path below, until this backend posts batches natively.
+        self.post_send(batch.requests())
 
     def post_send(self, wrs: Sequence[WorkRequest]) -> None:
         if not wrs:
