@@ -1,4 +1,4 @@
-"""Turning a batch of (local offset, remote offset, size) blocks into work requests.
+"""Turning a batch of (local offset, remote offset, size) blocks into work requests, on arrays.
 
 Blocks are checked first, all of them, so a bad batch posts nothing. Then
 blocks that are contiguous on both sides merge into one scatter entry (the
@@ -7,6 +7,13 @@ only on the remote side share one work request as a scatter list, up to the
 device's ``max_sge``. KV-cache blocks of one layer are often contiguous on
 both sides, so a batch of hundreds of blocks usually becomes a handful of
 requests.
+
+Everything runs as numpy operations over the whole batch (sort, boundary
+masks, ``reduceat``), so a batch of thousands of blocks costs a few
+vectorised passes, not Python work per block. The one case that is not
+vectorised is a remote-contiguous run longer than ``max_wr_bytes``, which
+must be cut at byte positions: it runs a greedy loop over the run's merged
+pieces (few, since such runs are made of large contiguous pieces).
 """
 
 from __future__ import annotations
@@ -15,9 +22,15 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from ..errors import InvalidArgument
 
-__all__ = ["Segment", "check_blocks", "merge_contiguous_blocks", "plan_segments"]
+__all__ = ["Plan", "Segment", "check_arrays", "check_blocks", "merge_contiguous_blocks", "plan", "plan_segments"]
+
+I64 = npt.NDArray[np.int64]
+_INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,16 +43,102 @@ class Segment:
     """(local offset, length) for each scatter entry."""
 
 
-def _as_int_list(values: Sequence[int], what: str) -> list[int]:
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """A checked batch cut into work requests, with offsets relative to the two regions.
+
+    Request ``i`` moves ``length[i]`` bytes at ``remote_offset[i]``, gathering
+    the local pieces ``sge_start[i]:sge_start[i + 1]`` of ``sge_offset`` /
+    ``sge_length`` in order.
+    """
+
+    remote_offset: I64
+    length: I64
+    sge_start: I64
+    sge_offset: I64
+    sge_length: I64
+
+    def __len__(self) -> int:
+        return len(self.remote_offset)
+
+    def segments(self) -> list[Segment]:
+        """The plan as ``Segment`` values (for tests and messages)."""
+        starts = self.sge_start.tolist()
+        offs, lens = self.sge_offset.tolist(), self.sge_length.tolist()
+        return [
+            Segment(r, n, tuple(zip(offs[starts[i] : starts[i + 1]], lens[starts[i] : starts[i + 1]], strict=True)))
+            for i, (r, n) in enumerate(zip(self.remote_offset.tolist(), self.length.tolist(), strict=True))
+        ]
+
+
+def _as_int64(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> I64:
+    """The values as an int64 array, or ``InvalidArgument`` naming the first one that is not an integer."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind == "i":
+        return values.astype(np.int64, copy=False)
+    items: list[object] = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    try:
+        arr = np.asarray(items)
+    except (OverflowError, ValueError, TypeError):
+        arr = np.asarray(items, dtype=object)
+    kind = arr.dtype.kind
+    if arr.ndim == 1 and (kind == "i" or (kind == "u" and (arr.size == 0 or int(arr.max()) <= _INT64_MAX))):
+        return arr.astype(np.int64, copy=False)
+    if not items:
+        return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64: an empty list is fine
+    # Slow path, for errors only (or ints past int64, which exceed every region anyway).
     out = []
-    for i, v in enumerate(values):
+    for i, v in enumerate(items):
         if isinstance(v, bool) or not isinstance(v, int):
             try:
-                v = operator.index(v)
+                v = operator.index(v)  # type: ignore[arg-type]
             except TypeError:
                 raise InvalidArgument(f"{what}[{i}] is {type(v).__name__}, not an integer") from None
-        out.append(int(v))
-    return out
+        out.append(max(-_INT64_MAX, min(int(v), _INT64_MAX)))
+    return np.asarray(out, dtype=np.int64)
+
+
+def check_arrays(
+    local_offsets: Sequence[int] | npt.NDArray[np.integer],
+    remote_offsets: Sequence[int] | npt.NDArray[np.integer],
+    sizes: Sequence[int] | npt.NDArray[np.integer],
+    local_length: int,
+    remote_length: int,
+) -> tuple[I64, I64, I64]:
+    """Validate a batch against both regions' lengths; return it as three int64 arrays.
+
+    Raises ``InvalidArgument`` naming the first bad block. Nothing is posted
+    when this raises, which is why every block is checked before any is planned.
+    """
+    lo = _as_int64(local_offsets, "local_offsets")
+    ro = _as_int64(remote_offsets, "remote_offsets")
+    sz = _as_int64(sizes, "sizes")
+    if not (len(lo) == len(ro) == len(sz)):
+        raise InvalidArgument(
+            f"list lengths differ: {len(lo)} local offsets, {len(ro)} remote offsets, {len(sz)} sizes"
+        )
+    if not len(sz):
+        raise InvalidArgument("empty batch: give at least one block")
+    # ``length - sz`` can only wrap when ``sz`` is hugely negative, which ``sz <= 0`` flags anyway.
+    bad = (sz <= 0) | (lo < 0) | (ro < 0) | (lo > local_length - sz) | (ro > remote_length - sz)
+    if not bad.any():
+        return lo, ro, sz
+    i = int(np.argmax(bad))  # the first bad block, whatever is wrong with it
+    _raise_for_block(i, int(lo[i]), int(ro[i]), int(sz[i]), local_length, remote_length)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _raise_for_block(i: int, l_off: int, r_off: int, size: int, local_length: int, remote_length: int) -> None:
+    if size <= 0:
+        raise InvalidArgument(f"block {i}: size {size} must be positive")
+    if l_off < 0 or r_off < 0:
+        raise InvalidArgument(f"block {i}: offsets must be >= 0 (local {l_off}, remote {r_off})")
+    if l_off + size > local_length:
+        raise InvalidArgument(
+            f"block {i}: local range [{l_off}, {l_off + size}) exceeds the local region ({local_length} bytes)"
+        )
+    raise InvalidArgument(
+        f"block {i}: remote range [{r_off}, {r_off + size}) exceeds the remote region ({remote_length} bytes)"
+    )
 
 
 def check_blocks(
@@ -49,53 +148,109 @@ def check_blocks(
     local_length: int,
     remote_length: int,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Validate a batch against both regions' lengths; return the values as plain ints.
-
-    Raises ``InvalidArgument`` naming the first bad block. Nothing is posted
-    when this raises, which is why every block is checked before any is planned.
-    """
-    lo = _as_int_list(local_offsets, "local_offsets")
-    ro = _as_int_list(remote_offsets, "remote_offsets")
-    sz = _as_int_list(sizes, "sizes")
-    if not (len(lo) == len(ro) == len(sz)):
-        raise InvalidArgument(
-            f"list lengths differ: {len(lo)} local offsets, {len(ro)} remote offsets, {len(sz)} sizes"
-        )
-    if not sz:
-        raise InvalidArgument("empty batch: give at least one block")
-    for i, (l_off, r_off, size) in enumerate(zip(lo, ro, sz, strict=True)):
-        if size <= 0:
-            raise InvalidArgument(f"block {i}: size {size} must be positive")
-        if l_off < 0 or r_off < 0:
-            raise InvalidArgument(f"block {i}: offsets must be >= 0 (local {l_off}, remote {r_off})")
-        if l_off + size > local_length:
-            raise InvalidArgument(
-                f"block {i}: local range [{l_off}, {l_off + size}) exceeds the local region ({local_length} bytes)"
-            )
-        if r_off + size > remote_length:
-            raise InvalidArgument(
-                f"block {i}: remote range [{r_off}, {r_off + size}) exceeds the remote region ({remote_length} bytes)"
-            )
-    return lo, ro, sz
+    """``check_arrays`` with the values returned as plain int lists."""
+    lo, ro, sz = check_arrays(local_offsets, remote_offsets, sizes, local_length, remote_length)
+    return lo.tolist(), ro.tolist(), sz.tolist()
 
 
 def merge_contiguous_blocks(
     local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int]
 ) -> tuple[list[int], list[int], list[int]]:
     """vLLM's rule: sort by local offset, merge neighbours contiguous on both sides."""
-    order = sorted(range(len(sizes)), key=lambda i: local_offsets[i])
-    out_l: list[int] = []
-    out_r: list[int] = []
-    out_s: list[int] = []
-    for i in order:
-        l_off, r_off, size = local_offsets[i], remote_offsets[i], sizes[i]
-        if out_s and out_l[-1] + out_s[-1] == l_off and out_r[-1] + out_s[-1] == r_off:
-            out_s[-1] += size
-        else:
-            out_l.append(l_off)
-            out_r.append(r_off)
-            out_s.append(size)
-    return out_l, out_r, out_s
+    if not len(sizes):
+        return [], [], []
+    lo, ro, sz = (np.asarray(v, dtype=np.int64) for v in (local_offsets, remote_offsets, sizes))
+    order = np.argsort(lo, kind="stable")
+    lo, ro, sz = lo[order], ro[order], sz[order]
+    starts = _run_starts((lo[1:] == lo[:-1] + sz[:-1]) & (ro[1:] == ro[:-1] + sz[:-1]))
+    return lo[starts].tolist(), ro[starts].tolist(), np.add.reduceat(sz, starts).tolist()
+
+
+def _run_starts(joins_previous: npt.NDArray[np.bool_]) -> npt.NDArray[np.intp]:
+    """Indices where a run starts, given for each element after the first whether it joins the one before."""
+    return np.flatnonzero(np.concatenate(([True], ~joins_previous)))
+
+
+def plan(lo: I64, ro: I64, sz: I64, *, max_sge: int, max_wr_bytes: int) -> Plan:
+    """Group checked blocks into as few work requests as the limits allow.
+
+    Blocks are taken in remote order; a block that continues the current
+    request's remote range joins it (extending its last piece when the local
+    side is contiguous too, else as a new scatter entry while fewer than
+    ``max_sge``), unless the request would pass ``max_wr_bytes``.
+    """
+    if max_sge < 1 or max_wr_bytes < 1:
+        raise InvalidArgument("max_sge and max_wr_bytes must be positive")
+    if len(sz) == 1:  # the single read/write: no sort, no masks
+        if int(sz[0]) <= max_wr_bytes:
+            one = np.zeros(2, dtype=np.int64)
+            one[1] = 1
+            return Plan(ro.copy(), sz.copy(), one, lo.copy(), sz.copy())
+    elif len(sz) > 1:
+        order = np.lexsort((lo, ro))
+        lo, ro, sz = lo[order], ro[order], sz[order]
+    # Pieces: neighbours contiguous on both sides merge into one scatter entry.
+    rend = ro[:-1] + sz[:-1]
+    p_start = _run_starts((ro[1:] == rend) & (lo[1:] == lo[:-1] + sz[:-1]))
+    p_local, p_remote = lo[p_start], ro[p_start]
+    p_len = np.add.reduceat(sz, p_start) if len(sz) else sz
+    # Runs: pieces contiguous on the remote side can share one request.
+    r_start = _run_starts(p_remote[1:] == p_remote[:-1] + p_len[:-1])
+    r_len = np.add.reduceat(p_len, r_start)
+    if int(r_len.max()) > max_wr_bytes:
+        return _plan_greedy(p_local.tolist(), p_remote.tolist(), p_len.tolist(), max_sge, max_wr_bytes)
+    # Within a run, consecutive pieces are never local-contiguous (they would have merged), so a
+    # request is simply the next max_sge pieces of its run.
+    run_of_piece = np.repeat(np.arange(len(r_start)), np.diff(np.append(r_start, len(p_start))))
+    index_in_run = np.arange(len(p_start)) - r_start[run_of_piece]
+    w_start = np.flatnonzero(index_in_run % max_sge == 0)
+    return Plan(
+        p_remote[w_start],
+        np.add.reduceat(p_len, w_start),
+        np.append(w_start, len(p_start)).astype(np.int64),
+        p_local,
+        p_len,
+    )
+
+
+def _plan_greedy(
+    p_local: list[int], p_remote: list[int], p_len: list[int], max_sge: int, max_wr_bytes: int
+) -> Plan:
+    """The byte-cutting case: walk the merged pieces, cutting requests at ``max_wr_bytes``."""
+    w_remote: list[int] = []
+    w_len: list[int] = []
+    w_start: list[int] = []
+    s_off: list[int] = []
+    s_len: list[int] = []
+    cur_remote = cur_len = 0
+    open_request = False
+    for l_off, r_off, size in zip(p_local, p_remote, p_len, strict=True):
+        while size > 0:
+            joins = open_request and r_off == cur_remote + cur_len and cur_len < max_wr_bytes
+            if joins and s_off[-1] + s_len[-1] == l_off:
+                take = min(size, max_wr_bytes - cur_len)
+                s_len[-1] += take
+            elif joins and len(s_off) - w_start[-1] < max_sge:
+                take = min(size, max_wr_bytes - cur_len)
+                s_off.append(l_off)
+                s_len.append(take)
+            else:
+                if open_request:
+                    w_len.append(cur_len)
+                take = min(size, max_wr_bytes)
+                cur_remote, cur_len, open_request = r_off, 0, True
+                w_remote.append(r_off)
+                w_start.append(len(s_off))
+                s_off.append(l_off)
+                s_len.append(take)
+            cur_len += take
+            l_off += take
+            r_off += take
+            size -= take
+    if open_request:
+        w_len.append(cur_len)
+    w_start.append(len(s_off))
+    return Plan(*(np.asarray(v, dtype=np.int64) for v in (w_remote, w_len, w_start, s_off, s_len)))
 
 
 def plan_segments(
@@ -106,41 +261,6 @@ def plan_segments(
     max_sge: int,
     max_wr_bytes: int,
 ) -> list[Segment]:
-    """Group checked blocks into as few work requests as the limits allow.
-
-    Blocks are taken in remote order; a block that continues the current
-    request's remote range joins it (extending its last piece when the local
-    side is contiguous too, else as a new scatter entry while fewer than
-    ``max_sge``), unless the request would pass ``max_wr_bytes``.
-    """
-    if max_sge < 1 or max_wr_bytes < 1:
-        raise InvalidArgument("max_sge and max_wr_bytes must be positive")
-    order = sorted(range(len(sizes)), key=lambda i: (remote_offsets[i], local_offsets[i]))
-    segments: list[Segment] = []
-    cur_remote = cur_len = 0
-    pieces: list[list[int]] = []
-
-    def flush() -> None:
-        if pieces:
-            segments.append(Segment(cur_remote, cur_len, tuple((p[0], p[1]) for p in pieces)))
-
-    for i in order:
-        l_off, r_off, size = local_offsets[i], remote_offsets[i], sizes[i]
-        while size > 0:
-            joins = bool(pieces) and r_off == cur_remote + cur_len and cur_len < max_wr_bytes
-            if joins and pieces[-1][0] + pieces[-1][1] == l_off:
-                take = min(size, max_wr_bytes - cur_len)
-                pieces[-1][1] += take
-            elif joins and len(pieces) < max_sge:
-                take = min(size, max_wr_bytes - cur_len)
-                pieces.append([l_off, take])
-            else:
-                flush()
-                take = min(size, max_wr_bytes)
-                cur_remote, cur_len, pieces = r_off, 0, [[l_off, take]]
-            cur_len += take
-            l_off += take
-            r_off += take
-            size -= take
-    flush()
-    return segments
+    """``plan`` of plain int lists, as ``Segment`` values."""
+    lo, ro, sz = (np.asarray(v, dtype=np.int64) for v in (local_offsets, remote_offsets, sizes))
+    return plan(lo, ro, sz, max_sge=max_sge, max_wr_bytes=max_wr_bytes).segments()
