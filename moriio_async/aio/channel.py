@@ -9,25 +9,70 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from ..backends.base import QueuePair
-from ..core.sendq import Entry, SendQueue
-from ..status import Opcode, WcStatus
-from ..work import Sge, WorkCompletion, WorkRequest
+from ..core.plan import Plan
+from ..core.sendq import SendQueue
+from ..status import Opcode, StatusCode, WcStatus
+from ..work import WorkBatch, WorkCompletion
 from .transfer import Transfer
 
-__all__ = ["ChannelState", "QpChannel", "RequestSpec"]
+__all__ = ["ChannelState", "Job", "QpChannel"]
 
 
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """A work request before its wr_id and signaling are decided."""
+class Job:
+    """One transfer's work requests, ready to post: the plan with absolute addresses and keys, as arrays."""
 
-    opcode: Opcode
-    sges: tuple[Sge, ...]
-    remote_addr: int
-    rkey: int
+    __slots__ = ("_batch", "transfer")
+
+    def __init__(
+        self,
+        transfer: Transfer,
+        plan: Plan,
+        opcode: Opcode,
+        *,
+        local_addr: int,
+        lkey: int,
+        remote_addr: int,
+        rkey: int,
+    ) -> None:
+        self.transfer = transfer
+        n, m = len(plan), len(plan.sge_offset)
+        # wr_id and the signal flags are decided per chunk at posting time; this is the template.
+        self._batch = WorkBatch(
+            0,
+            np.full(n, int(opcode), dtype=np.uint8),
+            plan.remote_offset.astype(np.uint64) + np.uint64(remote_addr),
+            np.full(n, rkey, dtype=np.uint32),
+            plan.length.astype(np.uint64),
+            np.zeros(n, dtype=np.bool_),
+            plan.sge_start,
+            plan.sge_offset.astype(np.uint64) + np.uint64(local_addr),
+            plan.sge_length.astype(np.uint64),
+            np.full(m, lkey, dtype=np.uint32),
+        )
+
+    def __len__(self) -> int:
+        return len(self._batch)
+
+    def chunk(self, start: int, stop: int, wr_id: int, signaled: npt.NDArray[np.bool_]) -> WorkBatch:
+        """Requests ``start:stop`` as a batch numbered from ``wr_id``."""
+        b = self._batch if start == 0 and stop == len(self._batch) else self._batch.slice(start, stop)
+        return WorkBatch(
+            wr_id,
+            b.opcode,
+            b.remote_addr,
+            b.rkey,
+            b.length,
+            signaled,
+            b.sge_start,
+            b.sge_addr,
+            b.sge_length,
+            b.sge_lkey,
+        )
 
 
 class ChannelState:
@@ -48,7 +93,7 @@ class QpChannel:
         on_post: Callable[[], None] = lambda: None,
     ) -> None:
         self.qp = qp
-        self.sendq: SendQueue[Transfer] = SendQueue(qp.max_send_wr)
+        self.sendq: SendQueue[Job] = SendQueue(qp.max_send_wr)
         self.state = ChannelState.READY
         self.posted = 0
         self.max_in_flight = 0
@@ -62,40 +107,39 @@ class QpChannel:
 
     @property
     def in_flight(self) -> int:
-        return len(self.sendq.in_flight)
+        return self.sendq.in_flight
 
     @property
     def waiting(self) -> int:
-        return len(self.sendq.waiting)
+        return self.sendq.waiting
 
-    def submit(self, transfer: Transfer, specs: list[RequestSpec]) -> None:
+    def submit(self, job: Job) -> None:
         """Queue a transfer's requests and post what fits. Never blocks, never fails for lack of room."""
-        transfer._start(len(specs))
-        last = len(specs) - 1
-        self.sendq.enqueue([Entry(transfer, spec, i == last) for i, spec in enumerate(specs)])
+        job.transfer.start(len(job))
+        self.sendq.enqueue(job, len(job))
         if self.state == ChannelState.FAILED and not self.sendq.in_flight:
             self._on_failed_idle(self)
         else:
             self._pump()
 
     def _pump(self) -> None:
-        entries = self.sendq.take_postable()
-        if not entries:
+        chunks = self.sendq.take_postable()
+        if not chunks:
             return
-        wrs = []
-        for e in entries:
-            spec = e.payload
-            assert isinstance(spec, RequestSpec)
-            wrs.append(WorkRequest(e.wr_id, spec.opcode, spec.sges, spec.remote_addr, spec.rkey, e.signaled))
-        self.qp.post_send(wrs)
-        self.posted += len(wrs)
-        self.max_in_flight = max(self.max_in_flight, len(self.sendq.in_flight))
+        post = self.qp.post
+        for c in chunks:
+            post(c.owner.chunk(c.start, c.stop, c.wr_id, c.signaled))
+            self.posted += c.stop - c.start
+        self.max_in_flight = max(self.max_in_flight, self.sendq.in_flight)
         self._on_post()
 
     def on_completion(self, wc: WorkCompletion) -> None:
-        for entry, status in self.sendq.complete(wc.wr_id, wc.status):
-            vendor = wc.vendor_err if entry.wr_id == wc.wr_id else 0
-            entry.owner._account(status, vendor, self.qp.qp_num)
+        settled = self.sendq.complete(wc.wr_id, wc.status)
+        qp_num = self.qp.qp_num
+        last = len(settled) - 1
+        for i, (job, count, status) in enumerate(settled):
+            # Only the named request carries the completion's vendor error.
+            job.transfer.settle(count, status, wc.vendor_err if i == last else 0, qp_num)
         if self.sendq.failed:
             self.state = ChannelState.FAILED if self.state != ChannelState.CLOSED else self.state
             if not self.sendq.in_flight:
@@ -106,8 +150,8 @@ class QpChannel:
 
     def _settle_failed(self) -> None:
         """The failed pair has drained: requests queued before the failure flush, in order."""
-        for entry, status in self.sendq.flush_waiting():
-            entry.owner._account(status, 0, self.qp.qp_num)
+        for job, count, status in self.sendq.flush_waiting():
+            job.transfer.settle(count, status, 0, self.qp.qp_num)
 
     def replace_qp(self, qp: QueuePair) -> None:
         """A reconnected pair takes over; waiting requests post on it."""
@@ -119,17 +163,22 @@ class QpChannel:
     def fail_waiting(self, status: WcStatus = WcStatus.WR_FLUSH_ERR) -> list[Transfer]:
         """End every waiting (unposted) request; return the transfers touched."""
         touched = []
-        while self.sendq.waiting:
-            entry = self.sendq.waiting.popleft()
-            entry.owner._account(status, 0, self.qp.qp_num)
-            touched.append(entry.owner)
+        for job, count in self.sendq.drop_waiting():
+            job.transfer.settle(count, status, 0, self.qp.qp_num)
+            touched.append(job.transfer)
         self._wake_idle()
         return touched
 
+    def abandon_waiting(self, code: StatusCode, message: str, hint: str) -> None:
+        """End every waiting transfer without posting it (e.g. its peer restarted meanwhile)."""
+        for job, _ in self.sendq.drop_waiting():
+            job.transfer.fail(code, message, hint)
+        self._wake_idle()
+
     def force_fail_in_flight(self) -> None:
         """The backend will never report these (device gone): end them as flushed."""
-        for entry, status in self.sendq.fail_all_in_flight(lambda i: WcStatus.WR_FLUSH_ERR):
-            entry.owner._account(status, 0, self.qp.qp_num)
+        for job, count, status in self.sendq.fail_all_in_flight():
+            job.transfer.settle(count, status, 0, self.qp.qp_num)
         self.state = ChannelState.FAILED
         self._wake_idle()
 

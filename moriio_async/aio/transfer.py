@@ -13,6 +13,9 @@ import asyncio
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, final
 
+import numpy as np
+import numpy.typing as npt
+
 from ..core.outcome import Outcome
 from ..errors import TransferFailed
 from ..status import Opcode, StatusCode, WcStatus
@@ -29,15 +32,15 @@ class Transfer:
         "_drain",
         "_error",
         "_future",
+        "_lo",
         "_message",
         "_on_end",
         "_outcome",
+        "_ro",
+        "_sz",
         "id",
-        "local_offsets",
         "opcode",
         "peer",
-        "remote_offsets",
-        "sizes",
     )
 
     def __init__(
@@ -46,18 +49,19 @@ class Transfer:
         transfer_id: int,
         opcode: Opcode,
         peer: str,
-        local_offsets: Sequence[int],
-        remote_offsets: Sequence[int],
-        sizes: Sequence[int],
+        local_offsets: Sequence[int] | npt.NDArray[np.int64],
+        remote_offsets: Sequence[int] | npt.NDArray[np.int64],
+        sizes: Sequence[int] | npt.NDArray[np.int64],
         *,
         drain: Callable[[], Any] | None = None,
     ) -> None:
         self.id = transfer_id
         self.opcode = opcode
         self.peer = peer
-        self.local_offsets = tuple(local_offsets)
-        self.remote_offsets = tuple(remote_offsets)
-        self.sizes = tuple(sizes)
+        # Kept as given (arrays on the data path): tuples are made only if someone asks.
+        self._lo = local_offsets
+        self._ro = remote_offsets
+        self._sz = sizes
         self._future: asyncio.Future[None] = loop.create_future()
         self._code = StatusCode.INIT
         self._message = ""
@@ -93,8 +97,21 @@ class Transfer:
         return self._code
 
     @property
+    def local_offsets(self) -> tuple[int, ...]:
+        return _ints(self._lo)
+
+    @property
+    def remote_offsets(self) -> tuple[int, ...]:
+        return _ints(self._ro)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return _ints(self._sz)
+
+    @property
     def nbytes(self) -> int:
-        return sum(self.sizes)
+        sz = self._sz
+        return int(sz.sum()) if isinstance(sz, np.ndarray) else sum(sz)
 
     def done(self) -> bool:
         return self._future.done()
@@ -121,19 +138,19 @@ class Transfer:
     def __repr__(self) -> str:
         return f"<Transfer {self.id} {self.opcode.name} {self.nbytes}B to {self.peer} {self._code.name}>"
 
-    # -- runtime side --------------------------------------------------------------------------
+    # -- runtime side: called by the queue-pair channel and the session, never by users ----------
 
-    def _start(self, n_requests: int) -> None:
+    def start(self, n_requests: int) -> None:
         """Posted (or queued to post) as ``n_requests`` work requests."""
         self._outcome = Outcome(n_requests)
         self._code = StatusCode.IN_PROGRESS
 
-    def _account(self, status: WcStatus, vendor_err: int = 0, qp_num: int | None = None) -> None:
-        """One work request ended; the last one ends the transfer."""
+    def settle(self, count: int, status: WcStatus, vendor_err: int = 0, qp_num: int | None = None) -> None:
+        """``count`` of its work requests ended with ``status``; the last ones end the transfer."""
         outcome = self._outcome
         if outcome is None or self._future.done():
             return
-        if outcome.add(status, vendor_err, qp_num):
+        if outcome.add(count, status, vendor_err, qp_num):
             if outcome.code is StatusCode.SUCCESS:
                 self._finish(StatusCode.SUCCESS, "")
             else:
@@ -145,7 +162,7 @@ class Transfer:
                     qp_num=outcome.qp_num,
                 )
 
-    def _fail(self, code: StatusCode, message: str, hint: str | None = None) -> None:
+    def fail(self, code: StatusCode, message: str, hint: str | None = None) -> None:
         """End without a completion (e.g. the peer restarted before anything was posted)."""
         self._finish(code, message, hint=hint)
 
@@ -185,3 +202,7 @@ class Transfer:
         callbacks, self._on_end = self._on_end, []
         for fn in callbacks:
             fn(self)
+
+
+def _ints(values: Sequence[int] | npt.NDArray[np.int64]) -> tuple[int, ...]:
+    return tuple(values.tolist()) if isinstance(values, np.ndarray) else tuple(values)

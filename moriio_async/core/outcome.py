@@ -38,11 +38,11 @@ class Outcome:
     vendor_err: int = 0
     qp_num: int | None = None
 
-    def add(self, status: WcStatus, vendor_err: int = 0, qp_num: int | None = None) -> bool:
-        """Account one request; True when it was the last one."""
-        if self.remaining <= 0:
+    def add(self, count: int, status: WcStatus, vendor_err: int = 0, qp_num: int | None = None) -> bool:
+        """Account ``count`` requests that ended with ``status``; True when they were the last ones."""
+        if count > self.remaining:
             raise RuntimeError("more completions than work requests")
-        self.remaining -= 1
+        self.remaining -= count
         if status is not WcStatus.SUCCESS and (
             self.wc_status is WcStatus.SUCCESS
             or (self.wc_status is WcStatus.WR_FLUSH_ERR and status is not WcStatus.WR_FLUSH_ERR)

@@ -213,9 +213,7 @@ def plan(lo: I64, ro: I64, sz: I64, *, max_sge: int, max_wr_bytes: int) -> Plan:
     )
 
 
-def _plan_greedy(
-    p_local: list[int], p_remote: list[int], p_len: list[int], max_sge: int, max_wr_bytes: int
-) -> Plan:
+def _plan_greedy(p_local: list[int], p_remote: list[int], p_len: list[int], max_sge: int, max_wr_bytes: int) -> Plan:
     """The byte-cutting case: walk the merged pieces, cutting requests at ``max_wr_bytes``."""
     w_remote: list[int] = []
     w_len: list[int] = []

@@ -1,16 +1,18 @@
-"""Send-queue accounting for one queue pair, with no asyncio and no I/O.
+"""Send-queue accounting for one queue pair, with no asyncio and no I/O, in spans not entries.
 
 The runtime, not the NIC, decides when a request may be posted, so a full
 send queue is ordinary backpressure: requests wait here, in posting order,
-until completions give slots back. The rules it keeps:
+until completions give slots back. State is kept per *span* (one owner's run
+of consecutive requests), never per request, so a transfer of a thousand
+work requests costs a handful of Python operations here. The rules it keeps:
 
 * A slot is held from posting until the completion that covers the request
   has been polled. On an RC pair completions come in order, so a signaled
   completion covers every earlier request on the pair.
-* Only what needs a completion is signaled: the last request of each
-  transfer (its owner wants to know), and one request in every ``depth // 4``
-  so slots come back while a long transfer streams (an unsignaled run as long
-  as the queue would hold every slot until the very end).
+* Only what needs a completion is signaled: the last request of each owner
+  (its owner wants to know), and one request in every ``depth // 4`` so
+  slots come back while a long transfer streams (an unsignaled run as long as
+  the queue would hold every slot until the very end).
 * After an error the pair posts nothing more. Requests still waiting here
   are flushed only once every posted one has completed, so flushes are still
   reported in posting order.
@@ -19,112 +21,182 @@ until completions give slots back. The rules it keeps:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
 from ..status import WcStatus
 
-__all__ = ["Entry", "SendQueue"]
+__all__ = ["Chunk", "SendQueue", "Settled"]
 
 T = TypeVar("T")
 
+Settled = tuple[T, int, WcStatus]
+"""``count`` requests of ``owner`` ended with ``status`` (in posting order)."""
 
-@dataclass(slots=True)
-class Entry(Generic[T]):
-    """One work request's bookkeeping: its owner and what to post."""
+_LAST_ONLY = np.ones(1, dtype=np.bool_)
+_LAST_ONLY.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk(Generic[T]):
+    """Requests ``start:stop`` of ``owner`` to post now as wr_ids ``wr_id...``, with their signal flags."""
 
     owner: T
-    payload: object
-    last_of_owner: bool
-    wr_id: int = 0
-    signaled: bool = False
+    start: int
+    stop: int
+    wr_id: int
+    signaled: npt.NDArray[np.bool_]
+
+
+class _Span(Generic[T]):
+    """Waiting: requests ``pos:end`` of ``owner``. In flight: ``end - pos`` requests from wr_id ``pos``."""
+
+    __slots__ = ("end", "owner", "pos")
+
+    def __init__(self, owner: T, pos: int, end: int) -> None:
+        self.owner = owner
+        self.pos = pos
+        self.end = end
 
 
 class SendQueue(Generic[T]):
-    """Waiting and in-flight requests of one queue pair."""
+    """Waiting and in-flight requests of one queue pair, as spans."""
 
     def __init__(self, depth: int, first_wr_id: int = 1) -> None:
         if depth < 1:
             raise ValueError("send-queue depth must be >= 1")
         self.depth = depth
         self.signal_every = max(1, depth // 4)
-        self.waiting: deque[Entry[T]] = deque()
-        self.in_flight: deque[Entry[T]] = deque()
         self.failed = False
+        self._waiting: deque[_Span[T]] = deque()
+        self._in_flight: deque[_Span[T]] = deque()
+        self._n_waiting = 0
+        self._n_in_flight = 0
         self._next_wr_id = first_wr_id
         self._unsignaled_run = 0
 
     @property
     def free_slots(self) -> int:
-        return self.depth - len(self.in_flight)
+        return self.depth - self._n_in_flight
+
+    @property
+    def in_flight(self) -> int:
+        """Requests posted and not yet covered by a polled completion."""
+        return self._n_in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued here, not yet posted."""
+        return self._n_waiting
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.in_flight
+        return not self._n_waiting and not self._n_in_flight
 
-    def enqueue(self, entries: list[Entry[T]]) -> None:
-        self.waiting.extend(entries)
+    def enqueue(self, owner: T, count: int) -> None:
+        """Queue ``count`` requests of ``owner``, after everything queued before."""
+        if count < 1:
+            raise ValueError("an owner queues at least one request")
+        self._waiting.append(_Span(owner, 0, count))
+        self._n_waiting += count
 
-    def take_postable(self) -> list[Entry[T]]:
-        """Entries to post now, in order, with wr_id and signaling decided; they count as in flight."""
+    def take_postable(self) -> list[Chunk[T]]:
+        """Chunks to post now, in order, with wr_ids and signaling decided; they count as in flight."""
         if self.failed:
             return []
-        n = min(self.free_slots, len(self.waiting))
-        out: list[Entry[T]] = []
-        for _ in range(n):
-            entry = self.waiting.popleft()
-            entry.wr_id = self._next_wr_id
-            self._next_wr_id += 1
-            self._unsignaled_run += 1
-            entry.signaled = entry.last_of_owner or self._unsignaled_run >= self.signal_every
-            if entry.signaled:
+        free = self.depth - self._n_in_flight
+        out: list[Chunk[T]] = []
+        every = self.signal_every
+        while free > 0 and self._waiting:
+            item = self._waiting[0]
+            owner, start, total = item.owner, item.pos, item.end
+            take = min(free, total - start)
+            stop = start + take
+            last = stop == total
+            run = self._unsignaled_run
+            if take == 1 and last:
+                signaled = _LAST_ONLY
                 self._unsignaled_run = 0
-            self.in_flight.append(entry)
-            out.append(entry)
+            else:
+                signaled = (np.arange(run + 1, run + take + 1) % every) == 0
+                if last:
+                    signaled[-1] = True
+                self._unsignaled_run = 0 if signaled[-1] else (run + take) % every
+            wr_id = self._next_wr_id
+            self._next_wr_id += take
+            out.append(Chunk(owner, start, stop, wr_id, signaled))
+            self._in_flight.append(_Span(owner, wr_id, wr_id + take))
+            self._n_in_flight += take
+            self._n_waiting -= take
+            free -= take
+            if last:
+                self._waiting.popleft()
+            else:
+                item.pos = stop
         return out
 
-    def complete(self, wr_id: int, status: WcStatus) -> list[tuple[Entry[T], WcStatus]]:
-        """Account a polled completion: every in-flight entry up to ``wr_id`` is done.
+    def complete(self, wr_id: int, status: WcStatus) -> list[Settled[T]]:
+        """Account a polled completion: every in-flight request up to ``wr_id`` is done.
 
-        Earlier entries succeeded (their signaled successor says so); the
+        Earlier requests succeeded (their signaled successor says so); the
         named one ends with ``status``. An unknown wr_id covers nothing.
         """
-        # wr_ids grow in posting order, so the in-flight deque is sorted by them.
-        if not self.in_flight or not self.in_flight[0].wr_id <= wr_id <= self.in_flight[-1].wr_id:
+        spans = self._in_flight
+        if not spans or not spans[0].pos <= wr_id < spans[-1].end:
             return []
-        done: list[tuple[Entry[T], WcStatus]] = []
-        while self.in_flight:
-            entry = self.in_flight.popleft()
-            if entry.wr_id == wr_id:
-                done.append((entry, status))
-                break
-            # An earlier entry without a completion of its own: on an RC pair a later
-            # completion implies it finished, successfully if this one did; once the
-            # pair failed, the backend reports every entry itself, so this is a flush.
-            done.append((entry, WcStatus.SUCCESS if not self.failed else WcStatus.WR_FLUSH_ERR))
+        # An earlier request without a completion of its own: on an RC pair a later completion
+        # implies it finished, successfully if this one did; once the pair failed, the backend
+        # reports every request itself, so this is a flush.
+        earlier = WcStatus.SUCCESS if not self.failed else WcStatus.WR_FLUSH_ERR
+        out: list[Settled[T]] = []
+        while spans:
+            span = spans[0]
+            if span.end <= wr_id:
+                spans.popleft()
+                self._n_in_flight -= span.end - span.pos
+                out.append((span.owner, span.end - span.pos, earlier))
+                continue
+            before = wr_id - span.pos
+            if before:
+                out.append((span.owner, before, earlier))
+            out.append((span.owner, 1, status))
+            if wr_id + 1 == span.end:
+                spans.popleft()
+            else:
+                span.pos = wr_id + 1
+            self._n_in_flight -= before + 1
+            break
         if status is not WcStatus.SUCCESS:
             self.failed = True
-        return done
-
-    def flush_waiting(self) -> list[tuple[Entry[T], WcStatus]]:
-        """Once failed and drained, end every waiting entry with WR_FLUSH_ERR, in order."""
-        if not self.failed or self.in_flight:
-            return []
-        out = [(e, WcStatus.WR_FLUSH_ERR) for e in self.waiting]
-        self.waiting.clear()
         return out
 
-    def fail_all_in_flight(self, status_of: Callable[[int], WcStatus]) -> list[tuple[Entry[T], WcStatus]]:
-        """End every in-flight entry without a completion (the pair is gone for good)."""
+    def flush_waiting(self) -> list[Settled[T]]:
+        """Once failed and drained, end every waiting request with WR_FLUSH_ERR, in order."""
+        if not self.failed or self._n_in_flight:
+            return []
+        return [(owner, count, WcStatus.WR_FLUSH_ERR) for owner, count in self.drop_waiting()]
+
+    def drop_waiting(self) -> list[tuple[T, int]]:
+        """Remove every waiting (unposted) request: (owner, count) in order."""
+        out = [(span.owner, span.end - span.pos) for span in self._waiting]
+        self._waiting.clear()
+        self._n_waiting = 0
+        return out
+
+    def fail_all_in_flight(self) -> list[Settled[T]]:
+        """End every in-flight request as flushed without a completion (the pair is gone for good)."""
         self.failed = True
-        out = [(e, status_of(i)) for i, e in enumerate(self.in_flight)]
-        self.in_flight.clear()
+        out = [(span.owner, span.end - span.pos, WcStatus.WR_FLUSH_ERR) for span in self._in_flight]
+        self._in_flight.clear()
+        self._n_in_flight = 0
         return out
 
     def reset(self) -> None:
-        """A fresh queue pair replaced the failed one: post again (only when idle)."""
-        if self.in_flight:
+        """A fresh queue pair replaced the failed one: post again (only when idle of in-flight work)."""
+        if self._n_in_flight:
             raise RuntimeError("reset with requests still in flight")
         self.failed = False
         self._unsignaled_run = 0

@@ -12,13 +12,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, final
 
-from ..aio.channel import ChannelState, QpChannel, RequestSpec
+from ..aio.channel import ChannelState, Job, QpChannel
 from ..aio.transfer import Transfer
-from ..core.plan import check_blocks, plan_segments
+from ..core.plan import check_arrays, plan
 from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
-from ..work import Sge
 from .memory import LocalRegion
 
 if TYPE_CHECKING:
@@ -99,36 +98,30 @@ class Session:
         denied = self._denied[opcode]
         if denied:
             raise InvalidArgument(denied)
-        lo_i, ro_i, sz_i = check_blocks(lo, ro, sz, local.length, remote.length)
+        lo_a, ro_a, sz_a = check_arrays(lo, ro, sz, local.length, remote.length)
         qp = self.channel.qp
-        segments = plan_segments(lo_i, ro_i, sz_i, max_sge=qp.max_sge, max_wr_bytes=engine.config.max_wr_bytes)
-        mr = self._local.mr
-        specs = [
-            RequestSpec(
-                opcode,
-                tuple(Sge(mr.addr + off, n, mr.lkey) for off, n in seg.pieces),
-                remote.addr + seg.remote_offset,
-                remote.rkey,
-            )
-            for seg in segments
-        ]
+        the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=engine.config.max_wr_bytes)
         transfer = Transfer(
             engine.loop,
             engine._next_transfer_id(),
             opcode,
             self.peer,
-            lo_i,
-            ro_i,
-            sz_i,
+            lo_a,
+            ro_a,
+            sz_a,
             drain=engine._drain,
+        )
+        mr = self._local.mr
+        job = Job(
+            transfer, the_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr, rkey=remote.rkey
         )
         self._local.pin()
         engine._track(transfer, self._local)
         if self.stale:
-            transfer._start(len(specs))
-            transfer._fail(StatusCode.ERR_BAD_STATE, self._stale_message(), hint=_STALE_HINT)
+            transfer.start(len(job))
+            transfer.fail(StatusCode.ERR_BAD_STATE, self._stale_message(), hint=_STALE_HINT)
             return transfer
-        self.channel.submit(transfer, specs)
+        self.channel.submit(job)
         return transfer
 
     # -- failure and recovery ------------------------------------------------------------------
@@ -163,8 +156,7 @@ class Session:
             self._on_failed_idle(self.channel)
 
     def _fail_waiting(self, code: StatusCode, message: str, hint: str) -> None:
-        while self.channel.sendq.waiting:
-            self.channel.sendq.waiting.popleft().owner._fail(code, message, hint)
+        self.channel.abandon_waiting(code, message, hint)
 
     def _stale_message(self) -> str:
         return (

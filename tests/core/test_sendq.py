@@ -1,71 +1,97 @@
 from __future__ import annotations
 
-from moriio_async.core.sendq import Entry, SendQueue
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moriio_async.core.sendq import Chunk, SendQueue
 from moriio_async.status import WcStatus
 
 
-def entries(owner: str, n: int) -> list[Entry[str]]:
-    return [Entry(owner, i, i == n - 1) for i in range(n)]
+def flat(chunks: list[Chunk[str]]) -> list[tuple[str, int, int, bool]]:
+    """(owner, request index, wr_id, signaled) for every request posted."""
+    return [
+        (c.owner, c.start + k, c.wr_id + k, bool(c.signaled[k])) for c in chunks for k in range(c.stop - c.start)
+    ]
 
 
 def test_backpressure_posts_at_most_depth_in_order() -> None:
     q: SendQueue[str] = SendQueue(4)
-    q.enqueue(entries("t", 10))
-    first = q.take_postable()
-    assert [e.payload for e in first] == [0, 1, 2, 3]
+    q.enqueue("t", 10)
+    first = flat(q.take_postable())
+    assert [i for _, i, _, _ in first] == [0, 1, 2, 3]
     assert q.take_postable() == []
     # depth 4 -> signal every 1; each completion frees one slot
-    done = q.complete(first[0].wr_id, WcStatus.SUCCESS)
-    assert [e.payload for e, _ in done] == [0]
-    assert [e.payload for e in q.take_postable()] == [4]
+    assert q.complete(first[0][2], WcStatus.SUCCESS) == [("t", 1, WcStatus.SUCCESS)]
+    assert [i for _, i, _, _ in flat(q.take_postable())] == [4]
 
 
 def test_only_last_of_owner_and_every_quarter_depth_is_signaled() -> None:
     q: SendQueue[str] = SendQueue(16)
-    q.enqueue(entries("a", 10) + entries("b", 2))
-    posted = q.take_postable()
-    assert [e.signaled for e in posted] == [
-        False,
-        False,
-        False,
-        True,
-        False,
-        False,
-        False,
-        True,
-        False,
-        True,
-        False,
-        True,
-    ]
+    q.enqueue("a", 10)
+    q.enqueue("b", 2)
+    chunks = q.take_postable()
+    assert [(c.owner, c.start, c.stop) for c in chunks] == [("a", 0, 10), ("b", 0, 2)]
+    assert [s for *_, s in flat(chunks)] == [False, False, False, True, False, False, False, True, False, True, False, True]
 
 
 def test_signaled_completion_covers_earlier_unsignaled() -> None:
     q: SendQueue[str] = SendQueue(16)
-    q.enqueue(entries("a", 10))
-    posted = q.take_postable()
-    done = q.complete(posted[3].wr_id, WcStatus.SUCCESS)
-    assert [(e.payload, s) for e, s in done] == [(i, WcStatus.SUCCESS) for i in range(4)]
+    q.enqueue("a", 10)
+    posted = flat(q.take_postable())
+    assert q.complete(posted[3][2], WcStatus.SUCCESS) == [("a", 3, WcStatus.SUCCESS), ("a", 1, WcStatus.SUCCESS)]
     assert q.free_slots == 16 - 6
 
 
 def test_error_stops_posting_and_flushes_waiting_only_after_drain() -> None:
     q: SendQueue[str] = SendQueue(2)
-    q.enqueue(entries("a", 5))
-    p = q.take_postable()
-    done = q.complete(p[0].wr_id, WcStatus.REM_ACCESS_ERR)
-    assert done[0][1] is WcStatus.REM_ACCESS_ERR
+    q.enqueue("a", 5)
+    p = flat(q.take_postable())
+    assert q.complete(p[0][2], WcStatus.REM_ACCESS_ERR) == [("a", 1, WcStatus.REM_ACCESS_ERR)]
     assert q.failed and q.take_postable() == []
     assert q.flush_waiting() == []  # one still in flight: flushes must keep posting order
-    q.complete(p[1].wr_id, WcStatus.WR_FLUSH_ERR)
-    flushed = q.flush_waiting()
-    assert [(e.payload, s) for e, s in flushed] == [(i, WcStatus.WR_FLUSH_ERR) for i in (2, 3, 4)]
+    q.complete(p[1][2], WcStatus.WR_FLUSH_ERR)
+    assert q.flush_waiting() == [("a", 3, WcStatus.WR_FLUSH_ERR)]
     assert q.idle
 
 
 def test_unknown_wr_id_covers_nothing() -> None:
     q: SendQueue[str] = SendQueue(4)
-    q.enqueue(entries("a", 2))
+    q.enqueue("a", 2)
     q.take_postable()
     assert q.complete(999, WcStatus.SUCCESS) == []
-    assert len(q.in_flight) == 2
+    assert q.in_flight == 2
+
+
+@given(
+    st.integers(1, 64),
+    st.lists(st.integers(1, 300), min_size=1, max_size=12),
+    st.randoms(use_true_random=False),
+)
+def test_spans_account_every_request_exactly_once_and_in_order(depth: int, sizes: list[int], rnd: object) -> None:
+    """Property: whatever the depth and the owners' sizes, completing signaled requests (and the odd
+    unsignaled one, as a verbs flush would) accounts every request once, per owner in order, holding
+    at most ``depth`` in flight, and signals each owner's last request."""
+    import random
+
+    assert isinstance(rnd, random.Random)
+    q: SendQueue[int] = SendQueue(depth)
+    for owner, n in enumerate(sizes):
+        q.enqueue(owner, n)
+    done = [0] * len(sizes)
+    posted: list[tuple[int, int, int, bool]] = []
+    while not q.idle:
+        chunks = q.take_postable()
+        for c in chunks:
+            posted += [(c.owner, c.start + k, c.wr_id + k, bool(c.signaled[k])) for k in range(c.stop - c.start)]
+            if c.stop == sizes[c.owner]:
+                assert bool(c.signaled[-1])
+        assert q.in_flight <= depth
+        outstanding = [p for p in posted if p[2] >= min((p2[2] for p2 in posted), default=0)]
+        signaled = [p for p in outstanding if p[3]]
+        pick = signaled[0] if signaled and rnd.random() < 0.9 else outstanding[0]
+        posted = [p for p in posted if p[2] > pick[2]]
+        for owner, count, status in q.complete(pick[2], WcStatus.SUCCESS):
+            assert status is WcStatus.SUCCESS
+            done[owner] += count
+            assert all(done[o] == sizes[o] for o in range(owner))  # owners end in posting order
+    assert done == sizes

@@ -106,8 +106,8 @@ async def test_first_terminal_state_is_latched(held: Pair) -> None:
     t = held.session.read(0, 0, 1)
     nic(held).step(1)
     await t
-    t._fail(StatusCode.ERR_BAD_STATE, "late failure")
-    t._account(WcStatus.REM_ACCESS_ERR)
+    t.fail(StatusCode.ERR_BAD_STATE, "late failure")
+    t.settle(1, WcStatus.REM_ACCESS_ERR)
     assert t.Succeeded() and t.Code() == 0 and t.Message() == ""
     await t
 

@@ -77,9 +77,9 @@ async def test_first_terminal_state_is_latched(wrs: list[int], script: list[NicS
                 if t.id not in first:
                     continue  # only what reaches a transfer after it ended is this property's business
                 if event.kind == "account":
-                    t._account(event.status)
+                    t.settle(1, event.status)
                 else:
-                    t._fail(StatusCode.ERR_BAD_STATE, "reported again later")
+                    t.fail(StatusCode.ERR_BAD_STATE, "reported again later")
             await settle()
             check()
         await p.session.abort()
