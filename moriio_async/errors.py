@@ -109,18 +109,34 @@ class TransferFailed(MoriioError):
 class TransferTimeout(MoriioError, TimeoutError):
     """A transfer was still pending when the caller's deadline passed. It goes on."""
 
+    hint = (
+        "raise the timeout (IOEngineConfig.transfer_timeout) or check the peer; "
+        "the buffers stay pinned until the transfer ends or the session is aborted"
+    )
+
+    def __new__(cls, transfer_id: int, timeout: float, *, peer: str = "") -> TransferTimeout:
+        # TimeoutError is an OSError, whose constructor would read (transfer_id, timeout) as
+        # (errno, strerror): build it bare. A wait may time out thousands at once, so nothing
+        # is formatted until someone reads it.
+        return super().__new__(cls)
+
     def __init__(self, transfer_id: int, timeout: float, *, peer: str = "") -> None:
-        super().__init__(
-            f"transfer {transfer_id}: timed out after {timeout:g}s (still in flight to {peer or 'peer'})",
-            hint="raise the timeout (IOEngineConfig.transfer_timeout) or check the peer; "
-            "the buffers stay pinned until the transfer ends or the session is aborted",
-        )
         self.transfer_id = transfer_id
         self.timeout = timeout
         self.peer = peer
 
     def line(self) -> str:
-        return str(self).split(" (hint:")[0]
+        return f"transfer {self.transfer_id}: timed out after {self.timeout:g}s (still in flight to {self.peer or 'peer'})"
+
+    def __str__(self) -> str:
+        return f"{self.line()} (hint: {self.hint})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_timeout, (self.transfer_id, self.timeout, self.peer))
+
+
+def _timeout(transfer_id: int, timeout: float, peer: str) -> TransferTimeout:
+    return TransferTimeout(transfer_id, timeout, peer=peer)
 
 
 class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc,unused-ignore]
@@ -138,9 +154,7 @@ class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc,unused-ig
     @classmethod
     def build(cls, failed: Sequence[TransferFailed], timed_out: Sequence[TransferTimeout], total: int) -> TransferError:
         members: list[TransferFailed | TransferTimeout] = [*failed, *timed_out]
-        head = f"{len(members)}/{total} transfers failed:"
-        lines = [m.line() for m in members]
-        return cls("\n".join([head, *lines]), members, total)
+        return cls(f"{len(members)}/{total} transfers failed:", members, total)
 
     @property
     def failed(self) -> list[TransferFailed]:
@@ -154,4 +168,6 @@ class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc,unused-ig
         return TransferError(self.message, excs, self.total)
 
     def __str__(self) -> str:
-        return str(self.message)
+        """The head line, then one line per member; rendered when read, not when raised."""
+        lines = (m.line() if isinstance(m, TransferFailed | TransferTimeout) else str(m) for m in self.exceptions)
+        return "\n".join([str(self.message), *lines])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +22,17 @@ from ..work import WorkBatch, WorkCompletion
 from .transfer import Transfer
 
 __all__ = ["ChannelState", "Job", "QpChannel"]
+
+
+def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    a.flags.writeable = False
+    return a
+
+
+# Shared by every single-request job: WorkBatch arrays are never written.
+_OPCODE_ONE = {op: _frozen(np.array((int(op),), dtype=np.uint8)) for op in Opcode}
+_NOT_SIGNALED_ONE = _frozen(np.zeros(1, dtype=np.bool_))
+_SGE_START_ONE = _frozen(np.array((0, 1), dtype=np.int64))
 
 
 class Job:
@@ -54,6 +66,28 @@ class Job:
             plan.sge_length.astype(np.uint64),
             np.full(m, lkey, dtype=np.uint32),
         )
+
+    @classmethod
+    def single(
+        cls, transfer: Transfer, opcode: Opcode, *, local_addr: int, lkey: int, remote_addr: int, rkey: int, size: int
+    ) -> Job:
+        """One request with one scatter entry: a handful of tiny arrays, no planning."""
+        job = cls.__new__(cls)
+        job.transfer = transfer
+        v = np.array((remote_addr, size, local_addr), dtype=np.uint64)
+        job._batch = WorkBatch(
+            0,
+            _OPCODE_ONE[opcode],
+            v[0:1],
+            np.array((rkey,), dtype=np.uint32),
+            v[1:2],
+            _NOT_SIGNALED_ONE,
+            _SGE_START_ONE,
+            v[2:3],
+            v[1:2],
+            np.array((lkey,), dtype=np.uint32),
+        )
+        return job
 
     def __len__(self) -> int:
         return len(self._batch)

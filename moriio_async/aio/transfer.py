@@ -135,6 +135,18 @@ class Transfer:
         else:
             self._on_end.append(fn)
 
+    def remove_done_callback(self, fn: Callable[[Transfer], None]) -> None:
+        """Forget ``fn`` if it has not run yet."""
+        try:
+            self._on_end.remove(fn)
+        except ValueError:
+            pass
+
+    @property
+    def drainer(self) -> Callable[[], Any] | None:
+        """What drains the completion queue behind this transfer (the deadline wait calls it once)."""
+        return self._drain
+
     def __repr__(self) -> str:
         return f"<Transfer {self.id} {self.opcode.name} {self.nbytes}B to {self.peer} {self._code.name}>"
 

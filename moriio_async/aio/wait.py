@@ -1,21 +1,64 @@
-"""``waiting_for_transfer_complete``: one ``asyncio.wait`` with the deadline.
+"""``waiting_for_transfer_complete``: one waiter and one timer, whatever the number of transfers.
 
-No polling, no task per transfer: the transfers' own futures go to a single
-``asyncio.wait``. When it returns with some still pending, the completion
-queues behind them are drained once more before anything is called a
-timeout: a completion that reached the CQ just before the deadline is
-reported as what it is (MoRI-IO's ``wait_all`` called those timeouts).
+No polling and no task. The wait counts the transfers still pending and
+registers a plain callback on each (``Transfer.add_done_callback`` runs
+callbacks synchronously when the transfer ends: no loop handle per
+transfer, unlike ``asyncio.wait``). The last one to end, or the first
+failure under ``fail_fast``, resolves the wait's single future; the deadline
+is one ``call_at`` timer. When the deadline comes with transfers still
+pending, the completion queues behind them are drained once more before
+anything is called a timeout: a completion that reached the CQ just before
+the deadline is reported as what it is (MoRI-IO's ``wait_all`` called those
+timeouts). The error's text is rendered only when someone reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..errors import TransferError, TransferFailed, TransferTimeout
 from .transfer import Transfer
 
 __all__ = ["waiting_for_transfer_complete"]
+
+
+class _Waiter:
+    """Counts pending transfers down; wakes the one future when the wait may end."""
+
+    __slots__ = ("deadline", "fail_fast", "failed", "future", "loop", "pending", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pending: int, fail_fast: bool, timeout: float | None) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.pending = pending
+        self.fail_fast = fail_fast
+        self.failed: list[TransferFailed] = []
+        self.deadline = None if timeout is None else loop.time() + timeout
+        self.timer = None if self.deadline is None else loop.call_at(self.deadline, self.on_timer)
+
+    def ended(self, t: Transfer) -> None:
+        self.pending -= 1
+        error = t.error()
+        if error is not None:
+            self.failed.append(error)
+        if (self.pending == 0 or (self.fail_fast and error is not None)) and not self.future.done():
+            self.future.set_result(None)
+
+    def on_timer(self) -> None:
+        assert self.deadline is not None
+        remaining = self.deadline - self.loop.time()
+        if remaining > 0:
+            # uvloop's timers have millisecond resolution and may fire a hair early: no
+            # transfer is called timed out before its deadline.
+            self.timer = self.loop.call_later(remaining, self.on_timer)
+        elif not self.future.done():
+            self.future.set_result(None)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 async def waiting_for_transfer_complete(
@@ -25,42 +68,69 @@ async def waiting_for_transfer_complete(
 ) -> None:
     """Wait until every transfer succeeded, or raise one ``TransferError`` for those that did not.
 
-    ``timeout`` is seconds from now (None: no deadline). The error lists a
-    ``TransferFailed`` per failed transfer and a ``TransferTimeout`` per
-    transfer still pending at the deadline; timed-out transfers go on, and
-    their buffers stay pinned until they end. With ``fail_fast`` the wait
-    ends at the first failure, listing the failures only; if it reaches its
-    deadline first, it lists the timed-out transfers too.
+    ``timeout`` is seconds from now (None: no deadline; 0: look once, now).
+    The error lists a ``TransferFailed`` per failed transfer and a
+    ``TransferTimeout`` per transfer still pending at the deadline; timed-out
+    transfers go on, and their buffers stay pinned until they end. A
+    transfer given twice counts once. With ``fail_fast`` the wait ends at the
+    first failure, listing the failures only; if it reaches its deadline
+    first, it lists the timed-out transfers too.
     """
     items = [transfers] if isinstance(transfers, Transfer) else list(dict.fromkeys(transfers))
     if not items:
         return
-    pending = [t._future for t in items if not t.done()]
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
-    return_when = asyncio.FIRST_EXCEPTION if fail_fast else asyncio.ALL_COMPLETED
+    failed: list[TransferFailed] = []
+    pending: list[Transfer] = []
+    for t in items:
+        if not t.done():
+            pending.append(t)
+        elif (error := t.error()) is not None:
+            failed.append(error)
     # With fail_fast, a failure known before the wait began ends it at once, like one seen while waiting.
-    ended_by_failure = fail_fast and any(t.error() is not None for t in items)
-    while pending and not ended_by_failure:
-        remaining = None if deadline is None else deadline - loop.time()
-        if remaining is not None and remaining <= 0:
-            break
-        done, still = await asyncio.wait(pending, timeout=remaining, return_when=return_when)
-        if fail_fast and any(f.exception() is not None for f in done):
-            ended_by_failure = True
-            break
-        # A loop whose timers have millisecond resolution (uvloop) may wake a hair
-        # early; going round again keeps the promise of no timeout before T.
-        pending = list(still)
-    if any(not t.done() for t in items):
-        drains = {id(t._drain): t._drain for t in items if not t.done() and t._drain is not None}
-        for drain in drains.values():
-            drain()
-    failed: list[TransferFailed] = [e for t in items if (e := t.error()) is not None]
+    ended_by_failure = fail_fast and bool(failed)
+    if pending and not ended_by_failure:
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop, len(pending), fail_fast, timeout)
+        ended = waiter.ended
+        for t in pending:
+            t.add_done_callback(ended)
+        try:
+            if timeout is None or timeout > 0:
+                await waiter.future
+            ended_by_failure = fail_fast and bool(waiter.failed)
+            if waiter.pending and not ended_by_failure:
+                # The deadline: what the completion queues already hold is not a timeout. The
+                # drain runs the waiter's callback for each transfer it ends.
+                for drain in _drains(pending):
+                    drain()
+        finally:
+            waiter.close()
+            if waiter.pending:
+                for t in pending:
+                    if not t.done():
+                        t.remove_done_callback(ended)
+        failed += waiter.failed
+        if len(failed) > 1:
+            failed.sort(key=lambda e: e.transfer_id)
     if ended_by_failure:
         raise TransferError.build(failed, [], len(items))
     # Past this point the wait ran to its deadline (or everything ended): a failure that only the
     # final drain found must not hide the transfers still pending, fail_fast or not.
-    timed_out = [TransferTimeout(t.id, timeout or 0.0, peer=t.peer) for t in items if not t.done()]
+    after = timeout or 0.0
+    timed_out = [TransferTimeout(t.id, after, peer=t.peer) for t in pending if not t.done()]
     if failed or timed_out:
         raise TransferError.build(failed, timed_out, len(items))
+
+
+def _drains(pending: list[Transfer]) -> list[Callable[[], Any]]:
+    """One drain per completion source behind the pending transfers (not one per transfer)."""
+    seen: dict[int, Callable[[], Any]] = {}
+    last = None
+    for t in pending:
+        drain = t.drainer
+        if drain is None or drain is last or t.done():
+            continue
+        last = drain
+        owner = getattr(drain, "__self__", drain)  # a bound method is a new object per access
+        seen.setdefault(id(owner), drain)
+    return list(seen.values())

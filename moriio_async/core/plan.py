@@ -27,7 +27,16 @@ import numpy.typing as npt
 
 from ..errors import InvalidArgument
 
-__all__ = ["Plan", "Segment", "check_arrays", "check_blocks", "merge_contiguous_blocks", "plan", "plan_segments"]
+__all__ = [
+    "Plan",
+    "Segment",
+    "check_arrays",
+    "check_block",
+    "check_blocks",
+    "merge_contiguous_blocks",
+    "plan",
+    "plan_segments",
+]
 
 I64 = npt.NDArray[np.int64]
 _INT64_MAX = (1 << 63) - 1
@@ -139,6 +148,24 @@ def _raise_for_block(i: int, l_off: int, r_off: int, size: int, local_length: in
     raise InvalidArgument(
         f"block {i}: remote range [{r_off}, {r_off + size}) exceeds the remote region ({remote_length} bytes)"
     )
+
+
+def check_block(
+    local_offset: int, remote_offset: int, size: int, local_length: int, remote_length: int
+) -> tuple[int, int, int]:
+    """One block, checked as ``check_arrays`` checks each block, with plain ints (the single read/write)."""
+    values = []
+    for what, v in (("local_offset", local_offset), ("remote_offset", remote_offset), ("size", size)):
+        if type(v) is not int:
+            try:
+                v = operator.index(v)
+            except TypeError:
+                raise InvalidArgument(f"{what} is {type(v).__name__}, not an integer") from None
+        values.append(int(v))
+    lo, ro, sz = values
+    if sz <= 0 or lo < 0 or ro < 0 or lo + sz > local_length or ro + sz > remote_length:
+        _raise_for_block(0, lo, ro, sz, local_length, remote_length)
+    return lo, ro, sz
 
 
 def check_blocks(

@@ -12,9 +12,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, final
 
+import numpy as np
+import numpy.typing as npt
+
 from ..aio.channel import ChannelState, Job, QpChannel
 from ..aio.transfer import Transfer
-from ..core.plan import check_arrays, plan
+from ..core.plan import check_arrays, check_block, plan
 from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
@@ -71,11 +74,11 @@ class Session:
 
     def read(self, local_offset: int, remote_offset: int, size: int) -> Transfer:
         """RDMA READ ``size`` bytes from the remote region into the local one."""
-        return self._submit(Opcode.RDMA_READ, [local_offset], [remote_offset], [size])
+        return self._submit_one(Opcode.RDMA_READ, local_offset, remote_offset, size)
 
     def write(self, local_offset: int, remote_offset: int, size: int) -> Transfer:
         """RDMA WRITE ``size`` bytes from the local region into the remote one."""
-        return self._submit(Opcode.RDMA_WRITE, [local_offset], [remote_offset], [size])
+        return self._submit_one(Opcode.RDMA_WRITE, local_offset, remote_offset, size)
 
     def batch_read(self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int]) -> Transfer:
         """Many blocks as one transfer; contiguous blocks merge into fewer work requests."""
@@ -86,37 +89,58 @@ class Session:
     ) -> Transfer:
         return self._submit(Opcode.RDMA_WRITE, local_offsets, remote_offsets, sizes)
 
-    def _submit(self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int]) -> Transfer:
-        engine = self._engine
-        if engine.closed:
-            raise EngineClosed(f"engine {engine.key!r} is closed")
+    def _check_usable(self, opcode: Opcode) -> None:
+        if self._engine.closed:
+            raise EngineClosed(f"engine {self._engine.key!r} is closed")
         if self.closed:
             raise SessionClosed(f"{self!r} is closed")
         if not self._local.live:
             raise InvalidArgument("the session's local region was deregistered")
-        local, remote = self._local.desc, self.remote
         denied = self._denied[opcode]
         if denied:
             raise InvalidArgument(denied)
-        lo_a, ro_a, sz_a = check_arrays(lo, ro, sz, local.length, remote.length)
+
+    def _submit_one(self, opcode: Opcode, lo: int, ro: int, sz: int) -> Transfer:
+        """The single read/write: scalar checks and a one-request job, no arrays to plan."""
+        self._check_usable(opcode)
+        remote = self.remote
+        lo, ro, sz = check_block(lo, ro, sz, self._local.desc.length, remote.length)
+        if sz > self._engine.config.max_wr_bytes:
+            return self._submit(opcode, [lo], [ro], [sz])
+        transfer = self._new_transfer(opcode, (lo,), (ro,), (sz,))
+        mr = self._local.mr
+        job = Job.single(
+            transfer, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro, rkey=remote.rkey,
+            size=sz,
+        )  # fmt: skip
+        return self._post(transfer, job)
+
+    def _submit(self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int]) -> Transfer:
+        self._check_usable(opcode)
+        remote = self.remote
+        lo_a, ro_a, sz_a = check_arrays(lo, ro, sz, self._local.desc.length, remote.length)
         qp = self.channel.qp
-        the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=engine.config.max_wr_bytes)
-        transfer = Transfer(
-            engine.loop,
-            engine._next_transfer_id(),
-            opcode,
-            self.peer,
-            lo_a,
-            ro_a,
-            sz_a,
-            drain=engine._drain,
-        )
+        the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=self._engine.config.max_wr_bytes)
+        transfer = self._new_transfer(opcode, lo_a, ro_a, sz_a)
         mr = self._local.mr
         job = Job(
             transfer, the_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr, rkey=remote.rkey
         )
+        return self._post(transfer, job)
+
+    def _new_transfer(
+        self,
+        opcode: Opcode,
+        lo: Sequence[int] | npt.NDArray[np.int64],
+        ro: Sequence[int] | npt.NDArray[np.int64],
+        sz: Sequence[int] | npt.NDArray[np.int64],
+    ) -> Transfer:
+        engine = self._engine
+        return Transfer(engine.loop, engine._next_transfer_id(), opcode, self.peer, lo, ro, sz, drain=engine._drain)
+
+    def _post(self, transfer: Transfer, job: Job) -> Transfer:
         self._local.pin()
-        engine._track(transfer, self._local)
+        self._engine._track(transfer, self._local)
         if self.stale:
             transfer.start(len(job))
             transfer.fail(StatusCode.ERR_BAD_STATE, self._stale_message(), hint=_STALE_HINT)

@@ -9,9 +9,7 @@ from moriio_async.status import WcStatus
 
 def flat(chunks: list[Chunk[str]]) -> list[tuple[str, int, int, bool]]:
     """(owner, request index, wr_id, signaled) for every request posted."""
-    return [
-        (c.owner, c.start + k, c.wr_id + k, bool(c.signaled[k])) for c in chunks for k in range(c.stop - c.start)
-    ]
+    return [(c.owner, c.start + k, c.wr_id + k, bool(c.signaled[k])) for c in chunks for k in range(c.stop - c.start)]
 
 
 def test_backpressure_posts_at_most_depth_in_order() -> None:
@@ -31,7 +29,20 @@ def test_only_last_of_owner_and_every_quarter_depth_is_signaled() -> None:
     q.enqueue("b", 2)
     chunks = q.take_postable()
     assert [(c.owner, c.start, c.stop) for c in chunks] == [("a", 0, 10), ("b", 0, 2)]
-    assert [s for *_, s in flat(chunks)] == [False, False, False, True, False, False, False, True, False, True, False, True]
+    assert [s for *_, s in flat(chunks)] == [
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        True,
+        False,
+        True,
+    ]
 
 
 def test_signaled_completion_covers_earlier_unsignaled() -> None:
