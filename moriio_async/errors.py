@@ -126,7 +126,8 @@ class TransferTimeout(MoriioError, TimeoutError):
         self.peer = peer
 
     def line(self) -> str:
-        return f"transfer {self.transfer_id}: timed out after {self.timeout:g}s (still in flight to {self.peer or 'peer'})"
+        where = self.peer or "peer"
+        return f"transfer {self.transfer_id}: timed out after {self.timeout:g}s (still in flight to {where})"
 
     def __str__(self) -> str:
         return f"{self.line()} (hint: {self.hint})"

@@ -10,6 +10,7 @@ transfer: the NIC would go on writing into the buffers either way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, final
 
@@ -137,10 +138,8 @@ class Transfer:
 
     def remove_done_callback(self, fn: Callable[[Transfer], None]) -> None:
         """Forget ``fn`` if it has not run yet."""
-        try:
+        with contextlib.suppress(ValueError):
             self._on_end.remove(fn)
-        except ValueError:
-            pass
 
     @property
     def drainer(self) -> Callable[[], Any] | None:
