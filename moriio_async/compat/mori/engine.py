@@ -128,7 +128,8 @@ class IOEngine:
             raise RuntimeError("input tensor must be contiguous")
         device = tensor.device
         if device.type != "cpu":
-            raise RuntimeError(f"register_torch_tensor: tensor on {device}: {_NO_GPU}")
+            where = device.type if device.index is None else f"{device.type}:{device.index}"
+            raise RuntimeError(f"register_torch_tensor: the tensor is on {where}: {_NO_GPU}")
         size = int(tensor.nelement()) * int(tensor.element_size())
         if size <= 0:
             raise ValueError("register_torch_tensor: the tensor is empty")
