@@ -20,6 +20,10 @@ def step(engine: IOEngine, session: IOEngineSession, stripe: int, n: int = 1 << 
     on_loop(engine, session.stripes[stripe].channel.qp.step, n)
 
 
+def outstanding(engine: IOEngine) -> int:
+    return engine.aio.outstanding
+
+
 def scattered(n: int) -> tuple[list[int], list[int], list[int]]:
     """n blocks of 256 B, contiguous nowhere (every other slot on both sides)."""
     offsets = [i * 512 for i in range(n)]
@@ -94,7 +98,7 @@ def test_post_batch_size_chunks_posting() -> None:
             assert session is not None
             status = session.batch_read(*scattered(6), 0)
             assert status.WaitFor(20) is StatusCode.IN_PROGRESS
-            assert on_loop(a, lambda: a.aio.outstanding) == posts  # one moriio_async transfer per post
+            assert on_loop(a, outstanding, a) == posts  # one moriio_async transfer per post
             assert sum(held_counts(a, session)) == 6
             step(a, session, 0)
             step(a, session, 1)
