@@ -1,0 +1,116 @@
+"""``LoopThread``: an event loop on a thread of its own, and the only bridge into it.
+
+Blocking callers cross with ``asyncio.run_coroutine_threadsafe`` (``run``) or
+``call_soon_threadsafe`` (``call``, ``post``); the futures they wait on block
+on a lock, which releases the GIL. A call that would block on the loop from
+the loop's own thread raises instead of deadlocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread", "new_event_loop"]
+
+T = TypeVar("T")
+log = logging.getLogger("moriio_async")
+
+
+def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
+    """uvloop when installed (``kind`` or ``MORIIO_COMPAT_LOOP`` = "asyncio" forces the stock loop)."""
+    kind = kind or os.environ.get("MORIIO_COMPAT_LOOP", "uvloop")
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    if kind != "asyncio":
+        raise ValueError(f"MORIIO_COMPAT_LOOP={kind!r}: choose 'uvloop' or 'asyncio'")
+    return asyncio.new_event_loop()
+
+
+class LoopThread:
+    """Runs ``loop.run_forever()`` on a daemon thread named ``name``."""
+
+    def __init__(self, name: str, kind: str | None = None) -> None:
+        self.loop = new_event_loop(kind)
+        self.loop.set_exception_handler(self._on_loop_error)
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name=name, daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(started.set)
+        self.loop.run_forever()
+
+    @staticmethod
+    def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        log.error("moriio_async compat loop: %s", context.get("message"), exc_info=context.get("exception"))
+
+    @property
+    def in_loop_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self.loop.is_closed()
+
+    def forbid_blocking(self, what: str) -> None:
+        """Raise if the caller is the loop's own thread, where blocking on the loop would deadlock."""
+        if self.in_loop_thread:
+            raise RuntimeError(
+                f"{what} blocks until the engine's event loop answers, and was called on that loop's own "
+                "thread: it would deadlock. Call it from another thread, or use the async API "
+                "(IOEngine.aio) from code running on the loop."
+            )
+
+    def run(self, coro: Coroutine[Any, Any, T], what: str, timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and block (GIL released) for its result."""
+        try:
+            self.forbid_blocking(what)
+        except RuntimeError:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run the plain callable ``fn`` on the loop thread and return its result (directly when already there)."""
+        if self.in_loop_thread:
+            return fn(*args)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def job() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(job)
+        return future.result()
+
+    def post(self, fn: Callable[..., object], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the loop; calls posted from one thread run in posting order."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self) -> None:
+        """Stop the loop and join its thread. Idempotent; from the loop thread it only asks the loop to stop."""
+        if self.loop.is_closed():
+            return
+        if self.in_loop_thread:
+            self.loop.stop()
+            return
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+        self.loop.close()

@@ -1,0 +1,252 @@
+"""compat.mori's engine: MoRI-IO's calls, descriptors, memory, backends and edge cases."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from moriio_async import InvalidArgument
+from moriio_async.compat.mori import (
+    BackendType,
+    EngineDesc,
+    IOEngine,
+    IOEngineConfig,
+    MemoryDesc,
+    MemoryLocationType,
+    RdmaBackendConfig,
+    StatusCode,
+    XgmiBackendConfig,
+)
+
+from .conftest import make_pair, options, register
+
+
+def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    x, mx = register(a, 64 << 10)
+    y, my = register(b, 64 << 10)
+    my = MemoryDesc.unpack(my.pack())  # as a peer would receive it
+    st = a.write(mx, 0, my, 0, 32 << 10, a.allocate_transfer_uid())
+    assert st.WaitFor(10_000) is StatusCode.SUCCESS, st.Message()
+    assert np.array_equal(x[: 32 << 10], y[: 32 << 10])
+    st = a.read(mx, 32 << 10, my, 0, 32 << 10, a.allocate_transfer_uid())
+    st.Wait()
+    assert st.Succeeded() and np.array_equal(x[32 << 10 :], y[: 32 << 10])
+    session = a.create_session(mx, my)
+    assert session is not None and session.alive()
+    y[:] = 0
+    offsets = [i << 12 for i in range(16)]
+    st = session.batch_write(offsets, offsets[::-1], [4096] * 16, session.allocate_transfer_uid())
+    st.Wait()
+    assert st.Succeeded()
+    for i in range(16):
+        assert np.array_equal(x[i << 12 : (i + 1) << 12], y[(15 - i) << 12 : (16 - i) << 12])
+    session.close()
+    assert not session.alive()
+    assert session.read(0, 0, 8).Code() is StatusCode.ERR_BAD_STATE
+
+
+def test_engine_level_batch_over_several_regions(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    regions = [(register(a, 4096), register(b, 4096)) for _ in range(3)]
+    offsets = [[0, 1024, 3072] for _ in regions]
+    sizes = [[1024, 1024, 1024] for _ in regions]
+    uids = [a.allocate_transfer_uid() for _ in regions]
+    statuses = a.batch_read(
+        [local[1] for local, _ in regions], offsets, [remote[1] for _, remote in regions], offsets, sizes, uids
+    )
+    assert len(statuses) == 3
+    assert a.wait_all(statuses, 10_000) is StatusCode.SUCCESS
+    for (x, _), (y, _) in regions:
+        assert np.array_equal(x[:2048], y[:2048]) and np.array_equal(x[3072:], y[3072:])
+        assert not np.array_equal(x[2048:3072], y[2048:3072])
+    with pytest.raises(ValueError, match="one descriptor"):
+        a.batch_write([regions[0][0][1]], offsets, [regions[0][1][1]], offsets, sizes, uids)
+
+
+def test_empty_batches_and_zero_size_blocks_as_mori(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    x, mx = register(a, 4096)
+    y, my = register(b, 4096, fill=0)
+    session = a.create_session(mx, my)
+    assert session is not None
+    assert session.batch_write([], [], []).Code() is StatusCode.SUCCESS
+    assert a.batch_write([mx], [[]], [my], [[]], [[]], [7])[0].Code() is StatusCode.SUCCESS
+    # size-0 blocks are checked (offset <= size) and move nothing; the rest of the batch goes
+    st = session.batch_write([4096, 0, 100], [4096, 0, 100], [0, 16, 0])
+    st.Wait()
+    assert st.Succeeded() and np.array_equal(x[:16], y[:16]) and not y[16:].any()
+    assert session.write(10, 10, 0).Code() is StatusCode.SUCCESS
+    bad = session.batch_write([4097], [0], [0])
+    assert bad.Code() is StatusCode.ERR_INVALID_ARGS and bad.Message() == "length out of range"
+
+
+def test_bad_input_fails_the_status_at_once(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    _, mx = register(a, 64)
+    _, my = register(b, 64)
+    session = a.create_session(mx, my)
+    assert session is not None
+    st = session.batch_read((0, 32), (0, 32), (32, 34), session.allocate_transfer_uid())  # MoRI's test
+    assert st.Failed() and st.Code() == StatusCode.ERR_INVALID_ARGS
+    st = session.batch_read([0, 1], [0], [1])
+    assert st.Message() == "lengths of local offsets, remote offsets or sizes mismatch"
+    assert session.read(-1, 0, 1).Code() is StatusCode.ERR_INVALID_ARGS
+    assert session.read(0, 0, 1.5).Code() is StatusCode.ERR_INVALID_ARGS  # type: ignore[arg-type]
+    huge = session.batch_read([0], [0], [1 << 32])
+    assert "exceeds UINT32_MAX" in huge.Message()
+    assert a.read(mx, 0, my, 60, 8, 1).Code() is StatusCode.ERR_INVALID_ARGS
+
+
+def test_no_backend_no_session_and_bad_state() -> None:
+    config = IOEngineConfig(host="127.0.0.1", port=0, options=options("mock"))
+    a, b = IOEngine("nb-initiator", config), IOEngine("nb-target", config)
+    try:
+        a.register_remote_engine(b.get_engine_desc())
+        _, mx = register(a, 32)
+        _, my = register(b, 32)
+        st = a.batch_read([mx], [(0, 16)], [my], [(0, 16)], [(16, 16)], [a.allocate_transfer_uid()])[0]
+        assert st.Failed() and st.Code() == StatusCode.ERR_BAD_STATE
+        assert a.create_session(mx, my) is None
+        a.create_backend(BackendType.TCP)
+        assert a.create_session(mx, my) is not None
+        a.remove_backend(BackendType.TCP)
+        assert a.read(mx, 0, my, 0, 8).Code() is StatusCode.ERR_BAD_STATE
+    finally:
+        a.close()
+        b.close()
+
+
+def test_deregister_remote_engine(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    x, mx = register(a, 256)
+    y, my = register(b, 256)
+    session = a.create_session(mx, my)
+    assert session is not None
+    assert a.write(mx, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
+    a.deregister_remote_engine(b.get_engine_desc())
+    assert a.create_session(mx, my) is None
+    assert a.write(mx, 0, my, 0, 8).Code() is StatusCode.ERR_BAD_STATE
+    st = session.write(0, 0, 256)  # an existing session keeps working, as in MoRI-IO
+    assert st.WaitFor(10_000) is StatusCode.SUCCESS and np.array_equal(x, y)
+
+
+def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, _ = pair
+    desc = a.get_engine_desc()
+    assert desc.key == a.key and desc.port > 0 and desc.pid > 0 and desc.node_id and desc.hostname
+    assert EngineDesc.unpack(desc.pack()) == desc
+    buf, mem = register(a, 128)
+    assert mem.engine_key == a.key and mem.size == 128 and mem.data == buf.ctypes.data
+    assert mem.loc == MemoryLocationType.CPU and mem.device_id == -1 and mem.device_bus_id == ""
+    assert mem.numa_node >= -1 and mem.ipc_handle == bytes(64)
+    assert MemoryDesc.unpack(mem.pack()) == mem
+    for raw in (b"", b"[]", b'{"kind":"mori.MemoryDesc"}', desc.pack()):
+        with pytest.raises(InvalidArgument):
+            MemoryDesc.unpack(raw)
+    with pytest.raises(InvalidArgument):
+        EngineDesc.unpack(mem.pack())
+
+
+def test_register_memory_takes_a_raw_address(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    raw = ctypes.create_string_buffer(b"moriio" * 100, 600)
+    mem = a.register_memory(ctypes.addressof(raw), 600, -1, MemoryLocationType.CPU)
+    y, my = register(b, 600, fill=0)
+    assert a.write(mem, 0, my, 0, 600).WaitFor(10_000) is StatusCode.SUCCESS
+    assert y.tobytes() == raw.raw
+    with pytest.raises(RuntimeError, match="GPU backend"):
+        a.register_memory(ctypes.addressof(raw), 600, 0, MemoryLocationType.GPU)
+    with pytest.raises(ValueError, match="size > 0"):
+        a.register_memory(ctypes.addressof(raw), 0, -1, MemoryLocationType.CPU)
+    a.deregister_memory(mem)
+    assert a.write(mem, 0, my, 0, 8).WaitFor(10_000) is not StatusCode.SUCCESS
+
+
+@dataclass
+class FakeDevice:
+    type: str
+    index: int | None = None
+
+
+class TensorDouble:
+    """torch.Tensor's registration surface over a numpy array (torch is not installed here)."""
+
+    def __init__(self, array: np.ndarray, device: FakeDevice, contiguous: bool = True) -> None:
+        self.array, self.device, self.contiguous = array, device, contiguous
+
+    def is_contiguous(self) -> bool:
+        return self.contiguous
+
+    def nelement(self) -> int:
+        return int(self.array.size)
+
+    def element_size(self) -> int:
+        return int(self.array.itemsize)
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+
+def test_register_torch_tensor_cpu_and_a_clear_error_for_device_memory(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    array = np.arange(256, dtype=np.float32)
+    mem = a.register_torch_tensor(TensorDouble(array, FakeDevice("cpu")))
+    assert mem.size == 1024 and mem.data == array.ctypes.data
+    y, my = register(b, 1024, fill=0)
+    assert a.write(mem, 0, my, 0, 1024).WaitFor(10_000) is StatusCode.SUCCESS
+    assert np.array_equal(y.view(np.float32), array)
+    with pytest.raises(RuntimeError, match=r"cuda:0.*GPU backend"):
+        a.register_torch_tensor(TensorDouble(array, FakeDevice("cuda", 0)))
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        a.register_torch_tensor(TensorDouble(array, FakeDevice("cpu"), contiguous=False))
+
+
+def test_register_torch_tensor_with_real_torch(pair: tuple[IOEngine, IOEngine]) -> None:
+    torch: Any = pytest.importorskip("torch")
+    a, _ = pair
+    tensor = torch.ones([1, 2, 34, 56])
+    mem = a.register_torch_tensor(tensor)
+    assert mem.data == tensor.data_ptr() and mem.size == tensor.nelement() * tensor.element_size()
+
+
+def test_backend_types_and_config_defaults() -> None:
+    cfg = RdmaBackendConfig()
+    assert (cfg.qp_per_transfer, cfg.post_batch_size, cfg.num_worker_threads) == (1, -1, -1)
+    assert cfg.enable_notification and cfg.notif_per_qp == 1024 and cfg.chunk_bytes == 65536
+    assert (cfg.max_chunks_per_transfer, cfg.num_nics_per_transfer, cfg.max_send_wr) == (64, 1, 0)
+    with pytest.raises(RuntimeError, match="notifPerQp"):
+        RdmaBackendConfig(notif_per_qp=0).effective()
+    with pytest.raises(RuntimeError, match="qp_per_transfer"):
+        RdmaBackendConfig(qp_per_transfer=0).effective()
+    engine = IOEngine("types", IOEngineConfig(host="127.0.0.1", port=0))
+    try:
+        with pytest.raises(NotImplementedError, match="GPU"):
+            engine.create_backend(BackendType.XGMI, XgmiBackendConfig())
+        engine.create_backend(BackendType.TCP, RdmaBackendConfig(max_send_wr=64, max_msg_sge=4))
+        assert engine.aio.backend_name == "tcp"
+        assert (engine.aio.config.sq_depth, engine.aio.config.max_sge) == (64, 4)
+        engine.create_backend(BackendType.TCP)  # a second time: logged and skipped, as in MoRI-IO
+    finally:
+        engine.close()
+
+
+def test_mori_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORI_IO_QP_PER_TRANSFER", "3")
+    monkeypatch.setenv("MORI_IO_POST_BATCH_SIZE", "2")
+    monkeypatch.setenv("MORI_IO_ENABLE_NOTIFICATION", "0")
+    cfg = RdmaBackendConfig().effective()
+    assert (cfg.qp_per_transfer, cfg.post_batch_size, cfg.enable_notification) == (3, 2, False)
+    a, b = make_pair("env", "mock")
+    try:
+        _, mx = register(a, 64)
+        _, my = register(b, 64)
+        session = a.create_session(mx, my)
+        assert session is not None and len(session.stripes) == 3
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,171 @@
+"""The compat layer from many threads at once, and the rules of its loop thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from moriio_async.compat.mori import IOEngine, RdmaBackendConfig, StatusCode, TransferStatus
+
+from .conftest import make_pair, on_loop, register
+from .test_inbound import wait_inbound
+
+THREADS = 8
+ROUNDS = 25
+BLOCK = 4096
+BLOCKS = 16  # per thread
+SLICE = BLOCK * BLOCKS
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_many_threads_lose_nothing_and_end_each_status_once(monkeypatch: pytest.MonkeyPatch, loop: str) -> None:
+    monkeypatch.setenv("MORIIO_COMPAT_LOOP", loop)
+    ends: Counter[int] = Counter()
+    ends_lock = threading.Lock()
+    update = TransferStatus.Update
+
+    def counting_update(self: TransferStatus, code: int, message: str) -> None:
+        if code != StatusCode.IN_PROGRESS:
+            with ends_lock:
+                ends[id(self)] += 1
+        update(self, code, message)
+
+    monkeypatch.setattr(TransferStatus, "Update", counting_update)
+    a, b = make_pair(f"stress-{loop}", "tcp", RdmaBackendConfig(qp_per_transfer=2))
+    try:
+        x, mx = register(a, THREADS * SLICE, fill=0)
+        y, my = register(b, THREADS * SLICE, fill=0)
+        sessions = [a.create_session(mx, my) for _ in range(2)]  # shared by every thread
+        issued: list[tuple[int, TransferStatus]] = []
+        issued_lock = threading.Lock()
+        errors: list[str] = []
+
+        def worker(t: int) -> None:
+            base = t * SLICE
+            mine: list[tuple[int, TransferStatus]] = []
+            for r in range(ROUNDS):
+                session = sessions[(t + r) % 2]
+                assert session is not None
+                x[base : base + SLICE] = (t * 37 + r) % 251 + 1
+                offsets = [base + i * BLOCK for i in range(BLOCKS)]
+                batch: list[tuple[int, TransferStatus]] = []
+                uid = session.allocate_transfer_uid()
+                batch.append((uid, session.batch_write(offsets[:8], offsets[:8], [BLOCK] * 8, uid)))
+                for off in offsets[8:]:  # engine-level, one block each
+                    uid = a.allocate_transfer_uid()
+                    batch.append((uid, a.write(mx, off, my, off, BLOCK, uid)))
+                if a.wait_all([s for _, s in batch], 20_000) is not StatusCode.SUCCESS:
+                    errors.append(f"thread {t} round {r}: {[s.Message() for _, s in batch if not s.Succeeded()]}")
+                    return
+                if not np.array_equal(x[base : base + SLICE], y[base : base + SLICE]):
+                    errors.append(f"thread {t} round {r}: written bytes differ")
+                x[base : base + SLICE] = 0
+                uid = session.allocate_transfer_uid()
+                back = session.batch_read(offsets, offsets, [BLOCK] * BLOCKS, uid)
+                back.Wait()
+                batch.append((uid, back))
+                if not back.Succeeded() or not np.array_equal(x[base : base + SLICE], y[base : base + SLICE]):
+                    errors.append(f"thread {t} round {r}: read back {back.Code()} {back.Message()}")
+                mine.extend(batch)
+            with issued_lock:
+                issued.extend(mine)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors[:5]
+        assert len(issued) == THREADS * ROUNDS * (BLOCKS - 8 + 2)
+        uids = [uid for uid, _ in issued]
+        assert len(set(uids)) == len(uids), "a uid was handed out twice"
+        assert all(s.Succeeded() for _, s in issued)
+        assert all(ends[id(s)] == 1 for _, s in issued), "a status ended twice or never"
+        assert on_loop(a, lambda: a.aio.outstanding) == 0
+        # every transfer is announced to the target exactly once
+        assert all(wait_inbound(b, a.key, uid) is not None for uid in uids)
+        assert all(b.pop_inbound_transfer_status(a.key, uid) is None for uid in uids)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_blocking_calls_on_the_loop_thread_raise(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    _, mx = register(a, 64)
+    _, my = register(b, 64)
+    session = a.create_session(mx, my)
+    assert session is not None
+
+    def wait_on_loop() -> StatusCode:
+        status = session.write(0, 0, 64)  # posting never blocks: fine on the loop
+        assert status.InProgress()  # posted after this callback returns
+        status.Wait()
+        return status.Code()
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        on_loop(a, wait_on_loop)
+    for blocking in (
+        lambda: a.create_session(mx, my),
+        lambda: a.recv_notification(1),
+        lambda: a.wait_all([session.read(0, 0, 8)], 1000),
+        lambda: a.deregister_memory(mx),
+        session.close,
+    ):
+        with pytest.raises(RuntimeError, match="loop's own thread"):
+            on_loop(a, blocking)
+    # what does not wait for the loop works there, and the engine is still fine afterwards
+    desc = on_loop(a, lambda: a.register_torch_tensor(np.zeros(16, dtype=np.uint8)))
+    assert desc.size == 16
+    assert session.write(0, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
+
+
+def test_a_waiting_thread_lets_others_run_while_a_transfer_is_held(held: tuple[IOEngine, IOEngine]) -> None:
+    a, b = held
+    _, mx = register(a, 4096)
+    _, my = register(b, 4096)
+    session = a.create_session(mx, my)
+    assert session is not None
+    status = session.batch_write([0, 2048], [0, 2048], [1024, 1024], 0)
+    stop = threading.Event()
+    counter = [0]
+
+    def spin() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    def release() -> None:
+        time.sleep(0.2)
+        for stripe in session.stripes:
+            on_loop(a, stripe.channel.qp.step, 100)
+
+    spinner, releaser = threading.Thread(target=spin), threading.Thread(target=release)
+    spinner.start()
+    releaser.start()
+    cpu = time.thread_time()
+    status.Wait()
+    cpu = time.thread_time() - cpu
+    stop.set()
+    spinner.join()
+    releaser.join()
+    assert status.Succeeded()
+    assert counter[0] > 100_000 and cpu < 0.05, (counter[0], cpu)
+
+
+def test_engines_close_from_any_thread_and_statuses_end(pair: tuple[IOEngine, IOEngine]) -> None:
+    a, b = pair
+    _, mx = register(a, 64)
+    _, my = register(b, 64)
+    session = a.create_session(mx, my)
+    assert session is not None
+    closer = threading.Thread(target=a.close)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive()
+    status = session.write(0, 0, 8)
+    assert status.Code() is StatusCode.ERR_BAD_STATE and not session.alive()
+    a.close()  # idempotent
