@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, final
+from typing import Any, Protocol, final
 
 from ..core.outcome import Outcome
 from ..errors import TransferFailed
 from ..status import Opcode, StatusCode, WcStatus
 
-__all__ = ["Transfer"]
+__all__ = ["Drainer", "Transfer"]
+
+
+class Drainer(Protocol):
+    """What a transfer's completions come back through (the engine's completion router)."""
+
+    def drain(self) -> int:
+        """Dispatch every completion already queued; how many there were."""
+        ...
 
 
 @final
@@ -26,7 +34,7 @@ class Transfer:
 
     __slots__ = (
         "_code",
-        "_drain",
+        "_drainer",
         "_error",
         "_future",
         "_message",
@@ -50,7 +58,7 @@ class Transfer:
         remote_offsets: Sequence[int],
         sizes: Sequence[int],
         *,
-        drain: Callable[[], Any] | None = None,
+        drainer: Drainer | None = None,
     ) -> None:
         self.id = transfer_id
         self.opcode = opcode
@@ -63,7 +71,7 @@ class Transfer:
         self._message = ""
         self._error: TransferFailed | None = None
         self._outcome: Outcome | None = None
-        self._drain = drain
+        self._drainer = drainer
         self._on_end: list[Callable[[Transfer], None]] = []
 
     # -- MoRI-IO's TransferStatus surface -------------------------------------------------
@@ -95,6 +103,11 @@ class Transfer:
     @property
     def nbytes(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def drainer(self) -> Drainer | None:
+        """Where this transfer's completions come from (one per engine), for a last look before a timeout."""
+        return self._drainer
 
     def done(self) -> bool:
         return self._future.done()

@@ -53,9 +53,10 @@ async def waiting_for_transfer_complete(
         # early; going round again keeps the promise of no timeout before T.
         pending = list(still)
     if any(not t.done() for t in items):
-        drains = {id(t._drain): t._drain for t in items if not t.done() and t._drain is not None}
-        for drain in drains.values():
-            drain()
+        # One drain per completion router (per engine), however many of its transfers are pending.
+        drainers = dict.fromkeys(d for t in items if not t.done() and (d := t.drainer) is not None)
+        for drainer in drainers:
+            drainer.drain()
     failed: list[TransferFailed] = [e for t in items if (e := t.error()) is not None]
     if ended_by_failure:
         raise TransferError.build(failed, [], len(items))
