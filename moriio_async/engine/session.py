@@ -10,19 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, final
+from typing import final
 
 from ..aio.channel import ChannelState, QpChannel, RequestSpec
+from ..aio.router import CompletionRouter
 from ..aio.transfer import Transfer
+from ..backends.base import QueuePair
 from ..core.plan import check_blocks, plan_segments
 from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
 from ..work import Sge
 from .memory import LocalRegion
-
-if TYPE_CHECKING:
-    from .engine import IOEngine
+from .peers import PeerTable
 
 __all__ = ["Session"]
 
@@ -31,13 +31,34 @@ log = logging.getLogger("moriio_async")
 
 @final
 class Session:
-    """Transfers between one local and one remote region, in order on one queue pair."""
+    """Transfers between one local and one remote region, in order on one queue pair.
 
-    def __init__(self, engine: IOEngine, local: LocalRegion, remote: MemoryDesc, channel: QpChannel) -> None:
-        self._engine = engine
+    Made by ``IOEngine.create_session``, which hands it what it works with: the
+    engine's completion router (transfer ids, the outstanding set, routing of
+    its pair's completions, drain), its peer table (to reconnect and to close
+    its pair), and the set of open sessions, which it joins and leaves itself.
+    """
+
+    def __init__(
+        self,
+        local: LocalRegion,
+        remote: MemoryDesc,
+        qp: QueuePair,
+        *,
+        router: CompletionRouter,
+        peers: PeerTable,
+        sessions: set[Session],
+        max_wr_bytes: int,
+        abort_timeout: float,
+    ) -> None:
+        self._router = router
+        self._peers = peers
+        self._sessions = sessions
+        self._max_wr_bytes = max_wr_bytes
+        self._abort_timeout = abort_timeout
         self._local = local
         self.remote = remote
-        self.channel = channel
+        self.channel = QpChannel(qp, on_failed_idle=self._on_failed_idle, on_post=router.kick)
         self.closed = False
         self.stale = False
         self._reconnect_task: asyncio.Task[None] | None = None
@@ -56,6 +77,8 @@ class Session:
                 else ""
             ),
         }
+        router.attach(self.channel)
+        sessions.add(self)
 
     @property
     def local(self) -> MemoryDesc:
@@ -88,9 +111,9 @@ class Session:
         return self._submit(Opcode.RDMA_WRITE, local_offsets, remote_offsets, sizes)
 
     def _submit(self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int]) -> Transfer:
-        engine = self._engine
-        if engine.closed:
-            raise EngineClosed(f"engine {engine.key!r} is closed")
+        router = self._router
+        if router.closed:
+            raise EngineClosed(f"engine {self._local.desc.engine_key!r} is closed")
         if self.closed:
             raise SessionClosed(f"{self!r} is closed")
         if not self._local.live:
@@ -101,7 +124,7 @@ class Session:
             raise InvalidArgument(denied)
         lo_i, ro_i, sz_i = check_blocks(lo, ro, sz, local.length, remote.length)
         qp = self.channel.qp
-        segments = plan_segments(lo_i, ro_i, sz_i, max_sge=qp.max_sge, max_wr_bytes=engine.config.max_wr_bytes)
+        segments = plan_segments(lo_i, ro_i, sz_i, max_sge=qp.max_sge, max_wr_bytes=self._max_wr_bytes)
         mr = self._local.mr
         specs = [
             RequestSpec(
@@ -113,17 +136,17 @@ class Session:
             for seg in segments
         ]
         transfer = Transfer(
-            engine.loop,
-            engine._next_transfer_id(),
+            router.loop,
+            router.next_transfer_id(),
             opcode,
             self.peer,
             lo_i,
             ro_i,
             sz_i,
-            drain=engine._drain,
+            drainer=router,
         )
         self._local.pin()
-        engine._track(transfer, self._local)
+        router.track(transfer, self._local)
         if self.stale:
             transfer._start(len(specs))
             transfer._fail(StatusCode.ERR_BAD_STATE, self._stale_message(), hint=_STALE_HINT)
@@ -136,12 +159,12 @@ class Session:
     def _on_failed_idle(self, channel: QpChannel) -> None:
         """The pair failed earlier and has drained; new requests wait for a fresh pair."""
         if self._reconnect_task is None and not self.closed:
-            self._reconnect_task = self._engine.loop.create_task(self._reconnect())
+            self._reconnect_task = self._router.loop.create_task(self._reconnect())
 
     async def _reconnect(self) -> None:
         old = self.channel.qp
         try:
-            qp = await self._engine._open_qp(self.remote)
+            qp = await self._peers.open_qp(self.remote)
         except StalePeer as exc:
             self.stale = True
             self._fail_waiting(StatusCode.ERR_BAD_STATE, f"{self._stale_message()}: {exc}", _STALE_HINT)
@@ -153,9 +176,12 @@ class Session:
             )
         else:
             if self.closed:
-                self._engine._close_qp(qp)
+                self._peers.close_qp(qp)
             else:
-                self._engine._swap_qp(self.channel, old, qp)
+                self._router.detach(self.channel)
+                self._peers.close_qp(old)
+                self.channel.replace_qp(qp)
+                self._router.attach(self.channel)
                 log.info("session to %s reconnected on a new queue pair %d", self.peer, qp.qp_num)
         finally:
             self._reconnect_task = None
@@ -183,9 +209,9 @@ class Session:
         # Even an idle pair is failed on purpose: the caller aborts because it distrusts the
         # connection (a peer that died silently leaves an idle pair looking healthy).
         self.channel.begin_abort()
-        self._engine._drain()
+        self._router.drain()
         try:
-            async with asyncio.timeout(timeout if timeout is not None else self._engine.config.abort_timeout):
+            async with asyncio.timeout(timeout if timeout is not None else self._abort_timeout):
                 await self.channel.wait_idle()
         except TimeoutError:
             log.warning("abort of %r: no flush completions; declaring %d flushed", self, self.channel.in_flight)
@@ -200,7 +226,9 @@ class Session:
         self.closed = True
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
-        self._engine._forget_session(self)
+        self._sessions.discard(self)
+        self._router.detach(self.channel)
+        self._peers.close_qp(self.channel.qp)
 
     def statistics(self) -> dict[str, int | str]:
         ch = self.channel
