@@ -58,7 +58,8 @@ class LinkHandler(Protocol):
     """What a link hands its peer's frames to (the engine's peer table)."""
 
     async def on_request(self, link: ControlLink, request: Request) -> Reply:
-        """The reply to send; raising ``ControlPlaneError`` sends a ``Refused`` instead."""
+        """The reply to send. Raising a ``MoriioError`` sends a ``Refused`` instead (``StalePeer``: "stale",
+        ``EngineClosed``: "closed", others: "refused"); anything else is logged as a bug ("internal")."""
         ...
 
     def on_notice(self, link: ControlLink, notice: Notice) -> None:

@@ -204,7 +204,10 @@ class PeerTable:
                 f"unknown peer engine {key!r}", hint="connect() to it or register_remote_engine() first"
             )
         if peer.link is None or peer.link.closed:
-            link, _ = await self._dial(peer.desc.host, peer.desc.port)
+            link, welcome = await self._dial(peer.desc.host, peer.desc.port)
+            if welcome.engine.key != key:  # the address now belongs to another engine
+                link.close()
+                raise ControlPlaneError(f"{peer.desc.address} is engine {welcome.engine.key!r} now, not {key!r}")
             peer = self._peers[key]
             if peer.link is None or peer.link.closed:
                 peer.link = link

@@ -302,3 +302,17 @@ async def test_a_session_being_created_when_its_engine_closes_leaves_no_queue_pa
     stats = pair.a.statistics()
     assert (stats["sessions"], stats["opened_qps"], stats["channels"]) == (0, 0, 0)
     await until(lambda: pair.b.statistics()["answering_qps"] == 0)
+
+
+async def test_a_redial_that_reaches_another_engine_is_refused(backend: str) -> None:
+    """A peer's address taken over by another engine: notify must not send to the newcomer."""
+    async with IOEngine("a", IOEngineConfig(backend=backend)) as a:
+        b = await IOEngine("b", IOEngineConfig(backend=backend)).start()
+        await a.connect(b.address)
+        port = int(b.address.rsplit(":", 1)[1])
+        await b.close()
+        await until(lambda: a.statistics()["links"] == 0)
+        async with IOEngine("c", IOEngineConfig(backend=backend, port=port)) as c:
+            with pytest.raises(ControlPlaneError, match="is engine 'c' now, not 'b'"):
+                await a.notify("b", b"for b only")
+            assert c.statistics()["notifications"] == 0

@@ -11,7 +11,6 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
