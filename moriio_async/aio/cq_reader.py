@@ -64,11 +64,16 @@ class CompletionReader:
         self._timer: asyncio.TimerHandle | None = None
         self._fd = -1
         self._closed = False
+        self._started = False
         self._wakeups = 0
         self._completions = 0
         self._largest = 0
 
     def start(self) -> None:
+        """Watch the queue's channel fd (or poll on a timer without one). A second call is an error."""
+        if self._started:
+            raise RuntimeError("this completion reader was already started")
+        self._started = True
         self._fd = self._cq.fileno()
         if self._fd >= 0:
             self._cq.req_notify()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,15 @@ from ..core.outcome import Outcome
 from ..errors import TransferFailed
 from ..status import Opcode, StatusCode, WcStatus
 
-__all__ = ["Transfer"]
+__all__ = ["Drainer", "Transfer"]
+
+
+class Drainer(Protocol):
+    """What a transfer's completions come back through (the engine's completion router)."""
+
+    def drain(self) -> int:
+        """Dispatch every completion already queued; how many there were."""
+        ...
 
 
 @final
@@ -30,7 +38,7 @@ class Transfer:
 
     __slots__ = (
         "_code",
-        "_drain",
+        "_drainer",
         "_error",
         "_future",
         "_lo",
@@ -54,7 +62,7 @@ class Transfer:
         remote_offsets: Sequence[int] | npt.NDArray[np.int64],
         sizes: Sequence[int] | npt.NDArray[np.int64],
         *,
-        drain: Callable[[], Any] | None = None,
+        drainer: Drainer | None = None,
     ) -> None:
         self.id = transfer_id
         self.opcode = opcode
@@ -68,7 +76,7 @@ class Transfer:
         self._message = ""
         self._error: TransferFailed | None = None
         self._outcome: Outcome | None = None
-        self._drain = drain
+        self._drainer = drainer
         self._on_end: list[Callable[[Transfer], None]] = []
 
     # -- MoRI-IO's TransferStatus surface -------------------------------------------------
@@ -114,6 +122,11 @@ class Transfer:
         sz = self._sz
         return int(sz.sum()) if isinstance(sz, np.ndarray) else sum(sz)
 
+    @property
+    def drainer(self) -> Drainer | None:
+        """Where this transfer's completions come from (one per engine), for a last look before a timeout."""
+        return self._drainer
+
     def done(self) -> bool:
         return self._future.done()
 
@@ -140,11 +153,6 @@ class Transfer:
         """Forget ``fn`` if it has not run yet."""
         with contextlib.suppress(ValueError):
             self._on_end.remove(fn)
-
-    @property
-    def drainer(self) -> Callable[[], Any] | None:
-        """What drains the completion queue behind this transfer (the deadline wait calls it once)."""
-        return self._drain
 
     def __repr__(self) -> str:
         return f"<Transfer {self.id} {self.opcode.name} {self.nbytes}B to {self.peer} {self._code.name}>"

@@ -15,11 +15,10 @@ timeouts). The error's text is rendered only when someone reads it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from ..errors import TransferError, TransferFailed, TransferTimeout
-from .transfer import Transfer
+from .transfer import Drainer, Transfer
 
 __all__ = ["waiting_for_transfer_complete"]
 
@@ -101,8 +100,8 @@ async def waiting_for_transfer_complete(
             if waiter.pending and not ended_by_failure:
                 # The deadline: what the completion queues already hold is not a timeout. The
                 # drain runs the waiter's callback for each transfer it ends.
-                for drain in _drains(pending):
-                    drain()
+                for drainer in _drains(pending):
+                    drainer.drain()
         finally:
             waiter.close()
             if waiter.pending:
@@ -122,15 +121,6 @@ async def waiting_for_transfer_complete(
         raise TransferError.build(failed, timed_out, len(items))
 
 
-def _drains(pending: list[Transfer]) -> list[Callable[[], Any]]:
-    """One drain per completion source behind the pending transfers (not one per transfer)."""
-    seen: dict[int, Callable[[], Any]] = {}
-    last = None
-    for t in pending:
-        drain = t.drainer
-        if drain is None or drain is last or t.done():
-            continue
-        last = drain
-        owner = getattr(drain, "__self__", drain)  # a bound method is a new object per access
-        seen.setdefault(id(owner), drain)
-    return list(seen.values())
+def _drains(pending: list[Transfer]) -> list[Drainer]:
+    """One drain per completion router (per engine) behind the pending transfers, not one per transfer."""
+    return list(dict.fromkeys(d for t in pending if not t.done() and (d := t.drainer) is not None))

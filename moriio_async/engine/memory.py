@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from ..backends.base import MemoryRegion
+from ..backends.base import Backend, MemoryRegion
 from ..descriptors import MemoryDesc
 from ..errors import InvalidArgument
+from ..status import Access
 
-__all__ = ["LocalRegion", "as_region_view"]
+__all__ = ["LocalRegion", "MemoryRegistry", "as_region_view"]
 
 
 def as_region_view(buffer: object) -> memoryview:
@@ -58,3 +59,42 @@ class LocalRegion:
             fut = asyncio.get_running_loop().create_future()
             self._idle.append(fut)
             await fut
+
+
+class MemoryRegistry:
+    """The engine's registered regions by rkey, and the ones it exports by name."""
+
+    def __init__(self, key: str, incarnation: int) -> None:
+        self._key = key
+        self._incarnation = incarnation
+        self._regions: dict[int, LocalRegion] = {}
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def register(self, backend: Backend, buffer: object, name: str, access: Access | None) -> MemoryDesc:
+        view = as_region_view(buffer)
+        if name and any(r.desc.name == name for r in self._regions.values()):
+            raise InvalidArgument(f"a region named {name!r} is already registered")
+        access = Access.all() if access is None else Access(access)
+        mr = backend.register_memory(view, access)
+        desc = MemoryDesc(self._key, self._incarnation, name, mr.addr, mr.length, mr.rkey, access)
+        self._regions[mr.rkey] = LocalRegion(desc, mr)
+        return desc
+
+    def lookup(self, desc: MemoryDesc) -> LocalRegion:
+        """The live registration ``desc`` describes, or ``InvalidArgument``."""
+        region = self._regions.get(desc.rkey)
+        if region is None or region.desc != desc:
+            raise InvalidArgument(f"{desc.name or 'region'} is not a live registration of engine {self._key!r}")
+        return region
+
+    def deregister(self, region: LocalRegion, backend: Backend | None) -> None:
+        region.live = False
+        del self._regions[region.desc.rkey]
+        if backend is not None:
+            backend.deregister_memory(region.mr)
+
+    def exported(self) -> list[MemoryDesc]:
+        """The regions registered with a name: what peers learn at ``connect``."""
+        return [r.desc for r in self._regions.values() if r.desc.name]

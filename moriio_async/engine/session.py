@@ -10,21 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import numpy as np
 import numpy.typing as npt
 
 from ..aio.channel import ChannelState, Job, QpChannel
+from ..aio.router import CompletionRouter
 from ..aio.transfer import Transfer
+from ..backends.base import QueuePair
 from ..core.plan import check_arrays, check_block, plan
 from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
 from .memory import LocalRegion
-
-if TYPE_CHECKING:
-    from .engine import IOEngine
+from .peers import PeerTable
 
 __all__ = ["Session"]
 
@@ -33,13 +33,34 @@ log = logging.getLogger("moriio_async")
 
 @final
 class Session:
-    """Transfers between one local and one remote region, in order on one queue pair."""
+    """Transfers between one local and one remote region, in order on one queue pair.
 
-    def __init__(self, engine: IOEngine, local: LocalRegion, remote: MemoryDesc, channel: QpChannel) -> None:
-        self._engine = engine
+    Made by ``IOEngine.create_session``, which hands it what it works with: the
+    engine's completion router (transfer ids, the outstanding set, routing of
+    its pair's completions, drain), its peer table (to reconnect and to close
+    its pair), and the set of open sessions, which it joins and leaves itself.
+    """
+
+    def __init__(
+        self,
+        local: LocalRegion,
+        remote: MemoryDesc,
+        qp: QueuePair,
+        *,
+        router: CompletionRouter,
+        peers: PeerTable,
+        sessions: set[Session],
+        max_wr_bytes: int,
+        abort_timeout: float,
+    ) -> None:
+        self._router = router
+        self._peers = peers
+        self._sessions = sessions
+        self._max_wr_bytes = max_wr_bytes
+        self._abort_timeout = abort_timeout
         self._local = local
         self.remote = remote
-        self.channel = channel
+        self.channel = QpChannel(qp, on_failed_idle=self._on_failed_idle, on_post=router.kick)
         self.closed = False
         self.stale = False
         self._reconnect_task: asyncio.Task[None] | None = None
@@ -58,6 +79,8 @@ class Session:
                 else ""
             ),
         }
+        router.attach(self.channel)
+        sessions.add(self)
 
     @property
     def local(self) -> MemoryDesc:
@@ -90,8 +113,8 @@ class Session:
         return self._submit(Opcode.RDMA_WRITE, local_offsets, remote_offsets, sizes)
 
     def _check_usable(self, opcode: Opcode) -> None:
-        if self._engine.closed:
-            raise EngineClosed(f"engine {self._engine.key!r} is closed")
+        if self._router.closed:
+            raise EngineClosed(f"engine {self._local.desc.engine_key!r} is closed")
         if self.closed:
             raise SessionClosed(f"{self!r} is closed")
         if not self._local.live:
@@ -105,7 +128,7 @@ class Session:
         self._check_usable(opcode)
         remote = self.remote
         lo, ro, sz = check_block(lo, ro, sz, self._local.desc.length, remote.length)
-        if sz > self._engine.config.max_wr_bytes:
+        if sz > self._max_wr_bytes:
             return self._submit(opcode, [lo], [ro], [sz])
         transfer = self._new_transfer(opcode, (lo,), (ro,), (sz,))
         mr = self._local.mr
@@ -120,7 +143,7 @@ class Session:
         remote = self.remote
         lo_a, ro_a, sz_a = check_arrays(lo, ro, sz, self._local.desc.length, remote.length)
         qp = self.channel.qp
-        the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=self._engine.config.max_wr_bytes)
+        the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=self._max_wr_bytes)
         transfer = self._new_transfer(opcode, lo_a, ro_a, sz_a)
         mr = self._local.mr
         job = Job(
@@ -135,12 +158,12 @@ class Session:
         ro: Sequence[int] | npt.NDArray[np.int64],
         sz: Sequence[int] | npt.NDArray[np.int64],
     ) -> Transfer:
-        engine = self._engine
-        return Transfer(engine.loop, engine._next_transfer_id(), opcode, self.peer, lo, ro, sz, drain=engine._drain)
+        router = self._router
+        return Transfer(router.loop, router.next_transfer_id(), opcode, self.peer, lo, ro, sz, drainer=router)
 
     def _post(self, transfer: Transfer, job: Job) -> Transfer:
         self._local.pin()
-        self._engine._track(transfer, self._local)
+        self._router.track(transfer, self._local)
         if self.stale:
             transfer.start(len(job))
             transfer.fail(StatusCode.ERR_BAD_STATE, self._stale_message(), hint=_STALE_HINT)
@@ -153,12 +176,12 @@ class Session:
     def _on_failed_idle(self, channel: QpChannel) -> None:
         """The pair failed earlier and has drained; new requests wait for a fresh pair."""
         if self._reconnect_task is None and not self.closed:
-            self._reconnect_task = self._engine.loop.create_task(self._reconnect())
+            self._reconnect_task = self._router.loop.create_task(self._reconnect())
 
     async def _reconnect(self) -> None:
         old = self.channel.qp
         try:
-            qp = await self._engine._open_qp(self.remote)
+            qp = await self._peers.open_qp(self.remote)
         except StalePeer as exc:
             self.stale = True
             self._fail_waiting(StatusCode.ERR_BAD_STATE, f"{self._stale_message()}: {exc}", _STALE_HINT)
@@ -170,9 +193,12 @@ class Session:
             )
         else:
             if self.closed:
-                self._engine._close_qp(qp)
+                self._peers.close_qp(qp)
             else:
-                self._engine._swap_qp(self.channel, old, qp)
+                self._router.detach(self.channel)
+                self._peers.close_qp(old)
+                self.channel.replace_qp(qp)
+                self._router.attach(self.channel)
                 log.info("session to %s reconnected on a new queue pair %d", self.peer, qp.qp_num)
         finally:
             self._reconnect_task = None
@@ -199,9 +225,9 @@ class Session:
         # Even an idle pair is failed on purpose: the caller aborts because it distrusts the
         # connection (a peer that died silently leaves an idle pair looking healthy).
         self.channel.begin_abort()
-        self._engine._drain()
+        self._router.drain()
         try:
-            async with asyncio.timeout(timeout if timeout is not None else self._engine.config.abort_timeout):
+            async with asyncio.timeout(timeout if timeout is not None else self._abort_timeout):
                 await self.channel.wait_idle()
         except TimeoutError:
             log.warning("abort of %r: no flush completions; declaring %d flushed", self, self.channel.in_flight)
@@ -216,7 +242,9 @@ class Session:
         self.closed = True
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
-        self._engine._forget_session(self)
+        self._sessions.discard(self)
+        self._router.detach(self.channel)
+        self._peers.close_qp(self.channel.qp)
 
     def statistics(self) -> dict[str, int | str]:
         ch = self.channel

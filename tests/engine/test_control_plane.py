@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import struct
+from typing import Any
 
 import pytest
 
-from moriio_async import IOEngine, IOEngineConfig, PeerError
+from moriio_async import (
+    ControlPlaneError,
+    EngineClosed,
+    IOEngine,
+    IOEngineConfig,
+    StalePeer,
+    waiting_for_transfer_complete,
+)
+from moriio_async.aio.control import ControlLink
+from moriio_async.core.protocol import Notice, Reply, Request
 
 from .conftest import Pair
 
@@ -30,11 +41,50 @@ def frame(obj: object) -> bytes:
     return struct.pack("!I", len(body)) + body
 
 
+def messages(stream: bytes) -> list[dict[str, Any]]:
+    """Every frame in ``stream``, decoded."""
+    out = []
+    while stream:
+        (n,) = struct.unpack("!I", stream[:4])
+        out.append(json.loads(stream[4 : 4 + n]))
+        stream = stream[4 + n :]
+    return out
+
+
 def error_reason(reply: bytes) -> str:
-    (n,) = struct.unpack("!I", reply[:4])
-    msg = json.loads(reply[4 : 4 + n])
+    msg = messages(reply)[-1]
     assert msg["op"] == "error"
     return str(msg["reason"])
+
+
+def engine_fields(key: str, backend: str = "mock", incarnation: int = 1) -> dict[str, Any]:
+    return {"kind": "EngineDesc", "key": key, "host": "127.0.0.1", "port": 1, "incarnation": incarnation,
+            "backend": backend}  # fmt: skip
+
+
+async def raw_hello(address: str, key: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A hand-made client that said hello and read the welcome."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(frame({"op": "hello", "id": 1, "engine": engine_fields(key)}))
+    await writer.drain()
+    assert (await read_message(reader))["op"] == "welcome"
+    return reader, writer
+
+
+async def read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (n,) = struct.unpack("!I", await asyncio.wait_for(reader.readexactly(4), 5))
+    message: dict[str, Any] = json.loads(await asyncio.wait_for(reader.readexactly(n), 5))
+    return message
+
+
+async def until(condition: Any, limit: float = 5.0) -> None:
+    """Poll an engine's statistics until ``condition()`` holds (the engine acts on its own tasks)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit
+    while not condition():
+        assert loop.time() < give_up, "the engine did not get there in time"
+        await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize(
@@ -44,13 +94,19 @@ def error_reason(reply: bytes) -> str:
         (struct.pack("!I", 5) + b"nope!", "handshake"),  # not JSON
         (frame({"op": "connect_qp", "id": 1}), "handshake"),  # no hello first
         (frame({"op": "hello", "id": 1, "engine": {"key": 3}}), "handshake"),  # bad descriptor
+        (frame({"op": "hello", "id": 1, "engine": 1}), "handshake"),  # not a descriptor at all
+        (frame({"op": "hello", "id": 1, "engine": engine_fields("k" * 2000)}), "handshake"),  # key too long
+        (struct.pack("!I", 200_001) + b'{"op":"hello","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "handshake"),
     ],
+    ids=["oversized", "not-json", "no-hello", "bad-descriptor", "engine-not-object", "long-key", "deep-nesting"],
 )
 async def test_bad_first_frames_get_an_error_and_the_listener_keeps_serving(
     pair: Pair, payload: bytes, reason: str
 ) -> None:
+    links = pair.b.statistics()["links"]
     reply = await raw_exchange(pair.b.address, payload)
     assert error_reason(reply) == reason
+    await until(lambda: pair.b.statistics()["links"] == links)
     peer = await pair.a.connect(pair.b.address)
     assert peer.engine.key == "b"
 
@@ -81,23 +137,182 @@ async def test_malformed_frame_after_hello_closes_only_that_link(pair: Pair) -> 
         },
     }
     reply = await raw_exchange(pair.b.address, frame(hello) + struct.pack("!I", 3) + b"]]]")
-    assert b'"hello"' in reply and b'"frame"' in reply
+    assert [m["op"] for m in messages(reply)] == ["welcome", "error"]
+    assert error_reason(reply) == "frame"
     # The established link between a and b still works.
     await pair.a.notify("b", b"still here")
     assert (await pair.b.recv_notification(timeout=5)).data == b"still here"
 
 
-async def test_unknown_request_is_refused_but_the_link_stays(pair: Pair) -> None:
-    _, link = await pair.a._link_for("b")
-    with pytest.raises(PeerError, match="unknown control op"):
-        await link.request({"op": "launch_missiles"})
-    with pytest.raises(PeerError, match="not base64"):
-        await link.request({"op": "notify", "data": "!!!"})
-    await pair.a.notify("b", b"ok")
-    assert (await pair.b.recv_notification(timeout=5)).data == b"ok"
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"op": "launch_missiles", "id": 2},
+        {"op": "notify", "data": "!!!"},
+        {"op": "close_qp", "qp": "seven"},
+        {"op": "connect_qp", "id": 2, "incarnation": 1, "endpoint": {"deep": [[[]]]}},
+        b'{"op": "memory", "id": 2, "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    ],
+    ids=["unknown-op", "bad-base64", "qp-not-int", "nested-endpoint", "deep-nesting"],
+)
+async def test_a_message_that_does_not_validate_closes_only_its_link_with_one_warning(
+    pair: Pair, bad: dict[str, Any] | bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    links = pair.b.statistics()["links"]
+    reader, writer = await raw_hello(pair.b.address, "evil")
+    caplog.clear()
+    writer.write(struct.pack("!I", len(bad)) + bad if isinstance(bad, bytes) else frame(bad))
+    await writer.drain()
+    reply = await read_message(reader)
+    assert (reply["op"], reply["reason"], reply["re"]) == ("error", "frame", None)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # and the link was closed
+    writer.close()
+    await until(lambda: pair.b.statistics()["links"] == links)
+    assert [r.levelno for r in caplog.records if r.name == "moriio_async"] == [logging.WARNING]
+    assert not any(r.exc_info for r in caplog.records), "a bad frame logged a traceback"
+    await pair.a.notify("b", b"still here")
+    assert (await pair.b.recv_notification(timeout=5)).data == b"still here"
+
+
+async def test_a_refused_request_gets_its_reason_and_keeps_the_link(pair: Pair) -> None:
+    reader, writer = await raw_hello(pair.b.address, "evil")
+    try:
+        endpoint = {"backend": "mock", "token": "t"}
+        writer.write(frame({"op": "connect_qp", "id": 2, "incarnation": pair.b.incarnation ^ 1, "endpoint": endpoint}))
+        reply = await read_message(reader)
+        assert (reply["op"], reply["re"], reply["reason"]) == ("error", 2, "stale")
+        writer.write(frame({"op": "memory", "id": 3}))
+        reply = await read_message(reader)
+        assert (reply["op"], reply["re"]) == ("exports", 3)
+        assert [m["name"] for m in reply["memory"]] == ["kv"]
+        writer.write(frame({"op": "hello", "id": 4, "engine": engine_fields("evil")}))
+        reply = await read_message(reader)
+        assert (reply["op"], reply["re"], reply["reason"]) == ("error", 4, "refused")
+    finally:
+        writer.close()
+
+
+async def test_closing_a_session_closes_the_answering_pair_it_had_on_the_peer(pair: Pair) -> None:
+    """close_qp used to name the initiator's own queue pair, which the target does not know:
+    the answering pair stayed until the whole link closed."""
+    answering = pair.b.statistics()["answering_qps"]
+    info = await pair.a.connect(pair.b.address)
+    session = await pair.a.create_session(pair.desc_a, info.memory["kv"])
+    assert pair.b.statistics()["answering_qps"] == answering + 1
+    assert pair.a.statistics()["opened_qps"] == 2
+    await session.close()
+    await until(lambda: pair.b.statistics()["answering_qps"] == answering)
+    assert pair.a.statistics()["opened_qps"] == 1
+    await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)  # the other session is intact
+
+
+async def test_notifications_end_with_the_engine(backend: str) -> None:
+    async with IOEngine("b", IOEngineConfig(backend=backend)) as b, IOEngine("a", IOEngineConfig(backend=backend)) as a:
+        await a.connect(b.address)
+        await a.notify("b", b"one")
+        await a.notify("b", b"two")
+        await until(lambda: b.statistics()["notifications"] == 2)
+        seen: list[bytes] = []
+
+        async def consume() -> None:
+            async for note in b.notifications():
+                seen.append(note.data)
+
+        consumer = asyncio.get_running_loop().create_task(consume())
+        waiter = asyncio.get_running_loop().create_task(b.recv_notification())
+        await until(lambda: seen == [b"one", b"two"])
+        await b.close()
+        await asyncio.wait_for(consumer, 5)  # the iteration ended instead of waiting forever
+        with pytest.raises(EngineClosed):
+            await asyncio.wait_for(waiter, 5)
+        with pytest.raises(EngineClosed):
+            await b.recv_notification(timeout=5)
 
 
 async def test_connect_to_nothing_fails_cleanly() -> None:
     async with IOEngine("a", IOEngineConfig(backend="mock", control_timeout=1)) as a:
         with pytest.raises(Exception, match="cannot reach engine"):
             await a.connect("127.0.0.1:1")
+
+
+class Refusing:
+    """A link handler whose every request fails with one exception."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def on_request(self, link: ControlLink, request: Request) -> Reply:
+        raise self.exc
+
+    def on_notice(self, link: ControlLink, notice: Notice) -> None:
+        pass
+
+    def on_link_closed(self, link: ControlLink) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason", "logged"),
+    [
+        (EngineClosed("engine 'b' is closing"), "closed", []),
+        (StalePeer("engine 'b' restarted"), "stale", []),
+        (ControlPlaneError("no such pair"), "refused", []),
+        (RuntimeError("a bug"), "internal", [logging.ERROR]),
+    ],
+    ids=["engine-closed", "stale", "refused", "bug"],
+)
+async def test_a_refusal_is_answered_with_its_reason_and_only_a_bug_is_logged(
+    exc: Exception, reason: str, logged: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """EngineClosed (a connect_qp that reaches an engine while it closes) used to be logged as an
+    internal error with a traceback; it is a refusal like any other."""
+    links: list[ControlLink] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = ControlLink(reader, writer, Refusing(exc), max_frame=1 << 16, timeout=5)
+        links.append(link)
+        link.start()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(frame({"op": "memory", "id": 5}))
+        reply = await read_message(reader)
+        assert (reply["op"], reply["re"], reply["reason"]) == ("error", 5, reason)
+        assert [r.levelno for r in caplog.records if r.name == "moriio_async"] == logged
+        with pytest.raises(RuntimeError, match="already started"):
+            links[0].start()  # a second reader would split the stream between two tasks
+    finally:
+        writer.close()
+        for link in links:
+            link.close()
+            await link.wait_closed()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_session_being_created_when_its_engine_closes_leaves_no_queue_pair(pair: Pair) -> None:
+    info = await pair.a.connect(pair.b.address)
+    creating = asyncio.get_running_loop().create_task(pair.a.create_session(pair.desc_a, info.memory["kv"]))
+    await asyncio.sleep(0)  # the request for an answering pair is on its way
+    await pair.a.close()
+    with pytest.raises((ControlPlaneError, EngineClosed)):
+        await creating
+    stats = pair.a.statistics()
+    assert (stats["sessions"], stats["opened_qps"], stats["channels"]) == (0, 0, 0)
+    await until(lambda: pair.b.statistics()["answering_qps"] == 0)
+
+
+async def test_a_redial_that_reaches_another_engine_is_refused(backend: str) -> None:
+    """A peer's address taken over by another engine: notify must not send to the newcomer."""
+    async with IOEngine("a", IOEngineConfig(backend=backend)) as a:
+        b = await IOEngine("b", IOEngineConfig(backend=backend)).start()
+        await a.connect(b.address)
+        port = int(b.address.rsplit(":", 1)[1])
+        await b.close()
+        await until(lambda: a.statistics()["links"] == 0)
+        async with IOEngine("c", IOEngineConfig(backend=backend, port=port)) as c:
+            with pytest.raises(ControlPlaneError, match="is engine 'c' now, not 'b'"):
+                await a.notify("b", b"for b only")
+            assert c.statistics()["notifications"] == 0

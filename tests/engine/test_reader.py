@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from moriio_async.aio.cq_reader import CompletionReader
 from moriio_async.backends.tcp.cq import TcpCompletionQueue
 from moriio_async.status import Opcode, WcStatus
@@ -125,3 +127,20 @@ async def test_close_removes_the_reader() -> None:
         await asyncio.sleep(0)
     assert calls == []  # nobody is watching the fd any more
     cq.close()
+
+
+async def test_a_second_start_is_an_error() -> None:
+    """Two starts would add the fd twice (or two timers): refused, and the first keeps working."""
+    loop = asyncio.get_running_loop()
+    cq = Queue()
+    seen: list[int] = []
+    reader = CompletionReader(loop, cq, lambda wcs: seen.extend(w.wr_id for w in wcs))
+    reader.start()
+    try:
+        with pytest.raises(RuntimeError, match="already started"):
+            reader.start()
+        cq.add(wc(1))
+        assert reader.drain() == 1 and seen == [1]
+    finally:
+        reader.close()
+        cq.close()

@@ -158,3 +158,15 @@ async def test_peer_vanishing_fails_oldest_with_retry_exceeded_then_flushes(held
 
 async def test_empty_wait_returns_at_once() -> None:
     await waiting_for_transfer_complete([], timeout=0)
+
+
+async def test_the_deadline_drains_each_engine_once_however_many_transfers_wait(held: Pair) -> None:
+    """The dedup keyed on the id of a bound method made per transfer: one drain per pending transfer."""
+    ts = [held.session.read(i, i, 1) for i in range(50)]
+    before = held.a.statistics()["drains"]
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete(ts, timeout=0.01)
+    assert len(info.value.timed_out) == 50
+    assert held.a.statistics()["drains"] == before + 1
+    nic(held).step(50)
+    await waiting_for_transfer_complete(ts, timeout=5)

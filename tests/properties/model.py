@@ -165,12 +165,13 @@ async def settle(rounds: int = 3) -> None:
         await asyncio.sleep(0)
 
 
-async def run_until_done(session: Session, ts: Sequence[Transfer], limit: float = 10.0) -> None:
-    """Step whatever queue pair the session has now (it may reconnect meanwhile) until ``ts`` end."""
+async def run_until_done(p: Pair, ts: Sequence[Transfer], limit: float = 10.0) -> None:
+    """Step whatever queue pair ``p.session`` has now (it may reconnect meanwhile) until ``ts`` end."""
+    session = p.session
     loop = asyncio.get_running_loop()
     give_up = loop.time() + limit
     while not all(t.done() for t in ts):
         assert loop.time() < give_up, f"transfers still running after {limit}s: {list(ts)}"
         held_qp(session).step(1 << 20)
-        session._engine._drain()  # a silent completion queue raises no event
+        p.a.drain_completions()  # a silent completion queue raises no event
         await asyncio.sleep(0.001)

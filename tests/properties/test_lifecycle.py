@@ -65,11 +65,11 @@ async def test_every_transfer_ends_exactly_once_and_abort_leaves_nothing_held(
         # runtime, abort had nothing to do, and the next transfer is the one that finds out; the one
         # after it runs on a new queue pair.)
         again = p.session.read(0, 0, 8)
-        await run_until_done(p.session, [again])
+        await run_until_done(p, [again])
         if not again.Succeeded():
             assert again.error() is not None and again.error().wc_status is WcStatus.WR_FLUSH_ERR
             again = p.session.read(0, 0, 8)
-            await run_until_done(p.session, [again])
+            await run_until_done(p, [again])
         assert again.Succeeded()
         assert ends == Counter(t.id for t in ts)
         p.a.deregister_memory(p.desc_a)  # no pins left: must not raise

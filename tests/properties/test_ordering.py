@@ -48,7 +48,7 @@ async def test_completions_on_one_queue_pair_are_delivered_in_posting_order(
             model.apply(step)
             await settle(rounds)
         # Then the NIC runs whatever is left (and whatever the runtime posts as slots free up).
-        await run_until_done(p.session, ts)
+        await run_until_done(p, ts)
         assert ended == [t.id for t in ts]
         statuses = [observed(t) for t in ts]
         if depth >= sum(wrs):

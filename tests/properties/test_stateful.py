@@ -257,10 +257,8 @@ class TransferMachine(RuleBasedStateMachine):
         running = [tr for tr in self.tracked.values() if not tr.transfer.done()]
         assert self.a.outstanding == len(running)
         for local in self.locals:
-            region = self.a._regions.get(local.desc.rkey)
-            if local.live:
-                assert region is not None
-                assert region.pins == sum(tr.local is local for tr in running)
+            if local.live:  # a live registration (pins() refuses any other) used by exactly what still runs
+                assert self.a.pins(local.desc) == sum(tr.local is local for tr in running)
 
     def teardown(self) -> None:
         try:

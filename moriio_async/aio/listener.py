@@ -1,0 +1,137 @@
+"""A TCP listener whose accept loop is its own: every accepted socket becomes streams or is closed.
+
+Why not ``asyncio.start_server``: on asyncio (3.11), a connection accepted
+just before ``Server.close()`` is wrapped in a transport only after the close;
+the transport's attach to the closed server fails an assertion and the
+accepted socket is dropped unclosed (a ResourceWarning, a leaked fd). Here
+the listening sockets are watched with ``loop.add_reader`` and accepted in the
+callback, so nothing sits in a future between accept and its owner: each
+socket is handed to a short task that wraps it in streams (no server to
+attach to), and ``close`` waits for those tasks instead of cancelling them.
+It is also the one place where accepting can be paused or capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections.abc import Callable
+
+__all__ = ["Listener"]
+
+log = logging.getLogger("moriio_async")
+
+OnConnection = Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]
+
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_RETRY_AFTER = 1.0
+"""Seconds without accepting after the process ran out of fds (as asyncio's own accept loop does)."""
+
+
+class Listener:
+    """Listens on ``host:port`` and hands every connection, as streams, to ``on_connection``."""
+
+    def __init__(self, on_connection: OnConnection, *, backlog: int = 128) -> None:
+        self._on_connection = on_connection
+        self._backlog = backlog
+        self._sockets: list[socket.socket] = []
+        self._wrapping: set[asyncio.Task[None]] = set()
+        self._retry: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind and listen (every address ``host`` resolves to, on one port); the port. Once only."""
+        if self._loop is not None:
+            raise RuntimeError("this listener was already started")
+        loop = self._loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                self._sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if port == 0 and len(self._sockets) > 1:  # the other families take the port the first got
+                    address = (address[0], self.port, *address[2:])
+                sock.bind(address)
+                sock.listen(self._backlog)
+                sock.setblocking(False)
+        except OSError as exc:
+            self._close_sockets()
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+        self._watch()
+        return self.port
+
+    @property
+    def port(self) -> int:
+        return int(self._sockets[0].getsockname()[1]) if self._sockets else 0
+
+    def _watch(self) -> None:
+        assert self._loop is not None
+        self._retry = None
+        for sock in self._sockets:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _unwatch(self) -> None:
+        assert self._loop is not None
+        for sock in self._sockets:
+            self._loop.remove_reader(sock.fileno())
+
+    def _accept(self, sock: socket.socket) -> None:
+        assert self._loop is not None
+        for _ in range(self._backlog):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    log.warning("control listener: accept failed: %s", exc)
+                    return
+                log.warning("control listener: %s; not accepting for %gs", exc, _RETRY_AFTER)
+                self._unwatch()
+                self._retry = self._loop.call_later(_RETRY_AFTER, self._watch)
+                return
+            conn.setblocking(False)
+            task = self._loop.create_task(self._wrap(conn))
+            self._wrapping.add(task)
+            task.add_done_callback(self._wrapping.discard)
+
+    async def _wrap(self, conn: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+        except OSError as exc:  # the client left at once
+            conn.close()
+            log.debug("control listener: an accepted connection failed: %s", exc)
+            return
+        except BaseException:
+            conn.close()
+            raise
+        if self.closed:
+            writer.close()  # accepted while the listener closed: the connection is refused, not leaked
+            return
+        self._on_connection(reader, writer)
+
+    async def close(self) -> None:
+        """Stop accepting, close the listening sockets, and settle every connection accepted so far."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._loop is not None and self._sockets:
+            if self._retry is not None:
+                self._retry.cancel()
+            else:
+                self._unwatch()
+        self._close_sockets()
+        # Not cancelled: a task cancelled before its first step would never close its socket.
+        if self._wrapping:
+            await asyncio.wait(list(self._wrapping))
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        self._sockets.clear()

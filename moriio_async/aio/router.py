@@ -1,0 +1,135 @@
+"""The completion path of one engine: reader, qp_num -> channel table, transfer ids, outstanding set, drain.
+
+Completions come back from the backend by queue-pair number; the router
+hands each batch to the channel that owns the pair, and the channel to the
+transfers. Sessions register their channel here (``attach``/``detach``) and
+each transfer once (``track``); a transfer holds the router only as something
+it can ``drain()``, so the deadline wait can look at the completion queue one
+last time before it calls anything a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..backends.base import CompletionQueue
+from ..work import WorkCompletion
+from .channel import QpChannel
+from .cq_reader import CompletionReader, ReaderStatistics
+from .transfer import Transfer
+
+__all__ = ["CompletionRouter", "Pinned", "RouterStatistics"]
+
+
+class Pinned(Protocol):
+    """What a transfer keeps alive while it runs (a registered region): released once it ends."""
+
+    def unpin(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStatistics:
+    channels: int
+    """Queue pairs whose completions are routed (one per open session)."""
+    outstanding: int
+    """Transfers started and not yet ended."""
+    drains: int
+    """Explicit ``drain()`` calls (the deadline wait, aborts), beside the reader's own wakeups."""
+    reader: ReaderStatistics
+
+
+class CompletionRouter:
+    """Routes one completion queue's completions to channels, and keeps the engine's transfer books."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cq: CompletionQueue, *, batch: int = 64) -> None:
+        self.loop = loop
+        self._channels: dict[int, QpChannel] = {}
+        self._outstanding: set[Transfer] = set()
+        self._ids = itertools.count(1)
+        self._drains = 0
+        self._closed = False
+        self._stopped = False
+        self._reader = CompletionReader(loop, cq, self._dispatch, batch=batch, has_work=self._has_work)
+
+    @property
+    def closed(self) -> bool:
+        """True once the engine began to close: no new transfer may start (completions still flow)."""
+        return self._closed
+
+    def start(self) -> None:
+        """Start watching the completion queue (once)."""
+        self._reader.start()
+
+    def begin_close(self) -> None:
+        """Refuse new transfers from now on; completions still reach the ones in flight until ``close``."""
+        self._closed = True
+
+    def close(self) -> None:
+        """Dispatch what is already queued, then stop watching. The queue itself belongs to the caller."""
+        self._closed = True
+        if not self._stopped:
+            self._reader.drain()
+            self._reader.close()
+            self._stopped = True
+
+    # -- channels -------------------------------------------------------------------------------
+
+    def attach(self, channel: QpChannel) -> None:
+        """Route the completions of ``channel``'s current queue pair to it."""
+        self._channels[channel.qp_num] = channel
+
+    def detach(self, channel: QpChannel) -> None:
+        """Stop routing to ``channel`` (before its queue pair is closed or replaced)."""
+        if self._channels.get(channel.qp_num) is channel:
+            del self._channels[channel.qp_num]
+
+    def kick(self) -> None:
+        """Work was posted (the reader's timer fallback needs to know)."""
+        self._reader.kick()
+
+    def _dispatch(self, wcs: list[WorkCompletion]) -> None:
+        channels = self._channels
+        for wc in wcs:
+            channel = channels.get(wc.qp_num)
+            if channel is not None:
+                channel.on_completion(wc)
+
+    def drain(self) -> int:
+        """Dispatch every completion already in the queue now; how many there were (0 once closed)."""
+        if self._stopped:
+            return 0  # the queue may be gone already; whatever was in it was dispatched by close()
+        self._drains += 1
+        return self._reader.drain()
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def next_transfer_id(self) -> int:
+        return next(self._ids)
+
+    def track(self, transfer: Transfer, pinned: Pinned) -> None:
+        """Count ``transfer`` as outstanding until it ends; then release ``pinned``."""
+        self._outstanding.add(transfer)
+        outstanding = self._outstanding
+
+        def ended(t: Transfer) -> None:
+            outstanding.discard(t)
+            pinned.unpin()
+
+        transfer.add_done_callback(ended)
+
+    @property
+    def outstanding(self) -> int:
+        """Transfers started and not yet ended, timed-out ones included."""
+        return len(self._outstanding)
+
+    def outstanding_transfers(self) -> list[Transfer]:
+        return list(self._outstanding)
+
+    def _has_work(self) -> bool:
+        return bool(self._outstanding)
+
+    def statistics(self) -> RouterStatistics:
+        return RouterStatistics(len(self._channels), len(self._outstanding), self._drains, self._reader.statistics())

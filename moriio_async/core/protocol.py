@@ -1,0 +1,254 @@
+"""The control-plane messages: typed, validated and bounded, one JSON object per frame.
+
+Each message is a frozen ``msgspec`` Struct tagged by its ``op`` field, so
+decoding a frame checks every field's type and range in one pass, with no
+``dict`` in between. Three kinds:
+
+- requests (``hello``, ``connect_qp``, ``memory``) carry an ``id`` and get
+  exactly one reply;
+- replies (``welcome``, ``qp``, ``exports``, ``error``) carry the request's
+  id as ``re``; an ``error`` without ``re`` answers a bad frame, and the
+  link is closed after it;
+- notices (``close_qp``, ``notify``) carry neither and get no answer.
+
+A frame that is not one of these messages (bad JSON, a wrong type, an
+unknown op, a value out of range, nesting deeper than the decoder allows) is
+a ``FrameError``. Fields a message does not declare are ignored, so a newer
+peer may add some. Strings, lists and endpoints have ceilings of their own,
+on top of the frame size limit.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, TypeVar
+
+import msgspec
+
+from ..descriptors import EngineDesc, MemoryDesc
+from ..status import Access
+from .framing import DEFAULT_MAX_FRAME, FrameError, frame
+
+__all__ = [
+    "MAX_KEY",
+    "CloseQp",
+    "ConnectQp",
+    "EngineRecord",
+    "Exports",
+    "Hello",
+    "ListMemory",
+    "Message",
+    "Notice",
+    "Notify",
+    "QpReady",
+    "Refused",
+    "RegionRecord",
+    "Reply",
+    "Request",
+    "Welcome",
+    "answering",
+    "decode",
+    "encode",
+    "with_id",
+]
+
+MAX_KEY = 1024
+"""Longest engine key or region name, in characters."""
+MAX_REGIONS = 1 << 16
+"""Most regions one ``welcome`` or ``exports`` may list."""
+
+Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_KEY)]
+Short = Annotated[str, msgspec.Meta(max_length=255)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+U16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+"""At most ``_U64_MAX``: checked in ``__post_init__``, since msgspec bounds integers only within int64."""
+_U64_MAX = (1 << 64) - 1
+
+
+def _check_u64(**fields: int) -> None:
+    for name, value in fields.items():
+        if value > _U64_MAX:
+            raise ValueError(f"`{name}` exceeds 2**64 - 1")
+
+
+Endpoint = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Short | int | bool],
+    msgspec.Meta(max_length=32),
+]
+"""A backend's queue-pair endpoint: a flat map of scalars (see ``backends.base.QueuePair.endpoint``)."""
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="op"):
+    """Base of every message; subclasses name their ``op`` with ``tag=`` and are built by keyword."""
+
+
+class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """An ``EngineDesc`` on the wire."""
+
+    key: Key
+    host: Short
+    port: U16
+    incarnation: U64
+    backend: Short
+
+    def __post_init__(self) -> None:
+        _check_u64(incarnation=self.incarnation)
+
+    @classmethod
+    def of(cls, desc: EngineDesc) -> EngineRecord:
+        return cls(key=desc.key, host=desc.host, port=desc.port, incarnation=desc.incarnation, backend=desc.backend)
+
+    def desc(self) -> EngineDesc:
+        return EngineDesc(self.key, self.host, self.port, self.incarnation, self.backend)
+
+
+class RegionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``MemoryDesc`` on the wire."""
+
+    engine_key: Key
+    incarnation: U64
+    name: Name
+    addr: U64
+    length: Annotated[int, msgspec.Meta(ge=1)]
+    rkey: U32
+    access: U32
+
+    def __post_init__(self) -> None:
+        _check_u64(incarnation=self.incarnation, addr=self.addr, length=self.length)
+
+    @classmethod
+    def of(cls, desc: MemoryDesc) -> RegionRecord:
+        return cls(
+            engine_key=desc.engine_key,
+            incarnation=desc.incarnation,
+            name=desc.name,
+            addr=desc.addr,
+            length=desc.length,
+            rkey=desc.rkey,
+            access=int(desc.access),
+        )
+
+    def desc(self) -> MemoryDesc:
+        access = Access(self.access & int(Access.all()))
+        return MemoryDesc(self.engine_key, self.incarnation, self.name, self.addr, self.length, self.rkey, access)
+
+
+Regions = Annotated[list[RegionRecord], msgspec.Meta(max_length=MAX_REGIONS)]
+
+# -- requests --------------------------------------------------------------------------------------
+
+
+class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
+    """The first frame on every link, from the side that dialed: who it is."""
+
+    id: int = 0
+    engine: EngineRecord
+
+
+class ConnectQp(_Message, frozen=True, kw_only=True, tag="connect_qp"):
+    """Open an answering queue pair for a session, against the asker's endpoint."""
+
+    id: int = 0
+    incarnation: U64
+    """The incarnation the asker's remote descriptors belong to: a restarted engine refuses."""
+    endpoint: Endpoint
+
+    def __post_init__(self) -> None:
+        _check_u64(incarnation=self.incarnation)
+
+
+class ListMemory(_Message, frozen=True, kw_only=True, tag="memory"):
+    """Ask for the regions the engine exports by name."""
+
+    id: int = 0
+
+
+# -- replies ---------------------------------------------------------------------------------------
+
+
+class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
+    """The answer to ``hello``: the listening engine and what it exports."""
+
+    re: int = 0
+    engine: EngineRecord
+    memory: Regions = []
+
+
+class QpReady(_Message, frozen=True, kw_only=True, tag="qp"):
+    """The answering queue pair is connected; ``qp`` names it in a later ``close_qp``."""
+
+    re: int = 0
+    qp: U32
+    endpoint: Endpoint
+
+
+class Exports(_Message, frozen=True, kw_only=True, tag="exports"):
+    re: int = 0
+    memory: Regions = []
+
+
+class Refused(_Message, frozen=True, kw_only=True, tag="error"):
+    """A request was refused (``re`` set), or a frame was bad (``re`` None, and the link closes)."""
+
+    re: int | None = None
+    reason: Annotated[str, msgspec.Meta(max_length=32)]
+    """``handshake``, ``frame``, ``stale``, ``closed``, ``refused`` or ``internal``."""
+    message: Text = ""
+
+
+# -- notices ---------------------------------------------------------------------------------------
+
+
+class CloseQp(_Message, frozen=True, kw_only=True, tag="close_qp"):
+    """The session behind the answering queue pair ``qp`` is gone: close that pair."""
+
+    qp: U32
+
+
+class Notify(_Message, frozen=True, kw_only=True, tag="notify"):
+    """A small message for the application (``IOEngine.notify``); bytes travel as base64."""
+
+    data: bytes
+
+
+Request = Hello | ConnectQp | ListMemory
+Reply = Welcome | QpReady | Exports | Refused
+Notice = CloseQp | Notify
+Message = Request | Reply | Notice
+
+M = TypeVar("M", bound=_Message)
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Message)
+
+
+def encode(message: Message, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """One framed message; ``FrameError`` if it exceeds ``max_frame``."""
+    return frame(_encoder.encode(message), max_frame)
+
+
+def decode(body: bytes) -> Message:
+    """The message in a frame's body; ``FrameError`` for anything that is not exactly one."""
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise FrameError(f"invalid control message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"frame is not a JSON message: {exc}") from None
+    except RecursionError:
+        # msgspec skips fields it does not know recursively: deep nesting there ends here, not in a crash.
+        raise FrameError("control message nested too deeply") from None
+    except (ValueError, OverflowError) as exc:  # defensive: nothing else a decoder may raise on bad input
+        raise FrameError(f"invalid control message: {exc}") from None
+
+
+def with_id(message: M, request_id: int) -> M:
+    """``message`` (a request) numbered ``request_id``."""
+    return msgspec.structs.replace(message, id=request_id)
+
+
+def answering(message: M, request_id: int) -> M:
+    """``message`` (a reply) answering request ``request_id``."""
+    return msgspec.structs.replace(message, re=request_id)

@@ -1,0 +1,112 @@
+"""Control-plane messages: every kind round-trips; anything else is a FrameError, never another exception."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moriio_async import EngineDesc, MemoryDesc
+from moriio_async.core.framing import FrameError
+from moriio_async.core.protocol import (
+    MAX_KEY,
+    CloseQp,
+    ConnectQp,
+    EngineRecord,
+    Exports,
+    Hello,
+    ListMemory,
+    Message,
+    Notify,
+    QpReady,
+    Refused,
+    RegionRecord,
+    Welcome,
+    answering,
+    decode,
+    encode,
+    with_id,
+)
+from moriio_async.status import Access
+
+ENGINE = EngineDesc("b", "127.0.0.1", 5555, (1 << 64) - 1, "tcp")
+REGION = MemoryDesc("b", 7, "kv", 1 << 47, 1 << 20, 0xFFFF_FFFF, Access.REMOTE_READ | Access.LOCAL_WRITE)
+ENDPOINT: dict[str, str | int | bool] = {"backend": "tcp", "port": 1, "accepting": False, "token": "ab" * 16}
+
+MESSAGES: list[Message] = [
+    Hello(id=1, engine=EngineRecord.of(ENGINE)),
+    ConnectQp(id=2, incarnation=7, endpoint=ENDPOINT),
+    ListMemory(id=3),
+    Welcome(re=1, engine=EngineRecord.of(ENGINE), memory=[RegionRecord.of(REGION)]),
+    QpReady(re=2, qp=0x1234, endpoint=ENDPOINT),
+    Exports(re=3, memory=[]),
+    Refused(re=None, reason="frame", message="bad"),
+    CloseQp(qp=0x1234),
+    Notify(data=bytes(range(256))),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: Message) -> None:
+    framed = encode(message)
+    assert int.from_bytes(framed[:4], "big") == len(framed) - 4
+    assert decode(framed[4:]) == message
+
+
+def test_descriptors_cross_the_wire_unchanged() -> None:
+    assert EngineRecord.of(ENGINE).desc() == ENGINE
+    assert RegionRecord.of(REGION).desc() == REGION
+
+
+def test_ids_are_set_on_copies() -> None:
+    request = ListMemory()
+    assert with_id(request, 9) == ListMemory(id=9) and request.id == 0
+    assert answering(Exports(), 9).re == 9
+
+
+def test_fields_a_message_does_not_declare_are_ignored() -> None:
+    engine = {"kind": "EngineDesc", "key": "b", "host": "h", "port": 1, "incarnation": 2, "backend": "tcp"}
+    raw = json.dumps({"op": "hello", "id": 1, "future": {"a": [1]}, "engine": engine}).encode()
+    assert decode(raw) == Hello(id=1, engine=EngineRecord(key="b", host="h", port=1, incarnation=2, backend="tcp"))
+
+
+def hello(**engine: object) -> bytes:
+    fields = {"key": "x", "host": "127.0.0.1", "port": 1, "incarnation": 1, "backend": "tcp", **engine}
+    return json.dumps({"op": "hello", "id": 1, "engine": fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"\xff", "not a JSON message"),
+        (b"[1]", "Expected `object`"),
+        (b'{"op": 3}', "Expected `str`"),
+        (b'{"op": "launch_missiles", "id": 1}', "Invalid value 'launch_missiles'"),
+        (b'{"op": "connect_qp", "id": 1}', "missing required field"),
+        (b'{"op": "notify", "data": "!!!"}', "base64"),
+        (b'{"op": "close_qp", "qp": "7"}', "Expected `int`"),
+        (b'{"op": "close_qp", "qp": -1}', ">= 0"),
+        (b'{"op": "hello", "id": true, "engine": {}}', "Expected `int`, got `bool`"),
+        (hello(key=3), "Expected `str`"),
+        (hello(key=""), "length >= 1"),
+        (hello(key="k" * (MAX_KEY + 1)), f"length <= {MAX_KEY}"),
+        (hello(port=65536), "<= 65535"),
+        (b'{"op": "hello", "id": 1e400}', "out of range"),
+        (hello(incarnation=1 << 64), r"exceeds 2\*\*64 - 1"),
+        (hello(incarnation=1 << 70), r"exceeds 2\*\*64 - 1"),
+        (b'{"op": "qp", "re": 1, "qp": 1, "endpoint": {"a": [1]}}', "Expected `bool | int | str`"),
+        (json.dumps({"op": "qp", "re": 1, "qp": 1, "endpoint": {str(i): i for i in range(33)}}).encode(), "<= 32"),
+        (b'{"op": "hello", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (b'{"op": "notify", "data": ' + b"[" * 100_000, "Expected `bytes`"),
+        (b'{"op": "memory", "id": 1, "x": ' + b"{" * 100_000, "nested too deeply|not a JSON message"),
+    ],
+    ids=lambda v: v[:40] if isinstance(v, bytes) else "",
+)
+def test_anything_else_is_a_frame_error(body: bytes, says: str) -> None:
+    with pytest.raises(FrameError, match=says):
+        decode(body)
+
+
+def test_an_oversized_message_is_refused_before_it_is_sent() -> None:
+    with pytest.raises(FrameError, match="exceeds the 64-byte frame limit"):
+        encode(Notify(data=b"x" * 64), max_frame=64)
