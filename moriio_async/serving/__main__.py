@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_demo_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     if args.command in ("prefill", "decode"):
         return _run_instance(args)
     if args.command == "proxy":

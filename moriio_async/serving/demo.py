@@ -49,8 +49,8 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--min-prompt", type=int, default=256, help="prompt length in bytes (tokens)")
-    p.add_argument("--max-prompt", type=int, default=768)
+    p.add_argument("--min-prompt", type=int, default=128, help="prompt length in bytes (tokens)")
+    p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per instance (0: 4 max-length sequences)")
     p.add_argument("--kill-prefill", action="store_true", help="SIGKILL prefill-0 mid-transfer, then restart it")
@@ -252,6 +252,11 @@ class Demo:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    longest = args.max_prompt + 1 + args.max_tokens  # the BOS token, the prompt's bytes, the completion
+    if not 0 < args.min_prompt <= args.max_prompt or longest > args.max_model_len:
+        sys.exit(f"prompts of {args.min_prompt}..{args.max_prompt} bytes plus {args.max_tokens} tokens must fit in --max-model-len {args.max_model_len}")
+    if args.prefill < 1 or args.decode < 1 or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        sys.exit("--prefill, --decode, --requests, --concurrency and --max-tokens must be at least 1")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="moriio-serving-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     demo = Demo(args, log_dir)

@@ -113,7 +113,7 @@ class KVPool:
 
     def stats(self) -> dict[str, int]:
         return {
-            "total": self.num_blocks,
+            "capacity": self.num_blocks,
             "free": self.free_blocks,
             "allocated": self.allocated_blocks,
             "in_flight": self.in_flight_blocks,

@@ -50,9 +50,10 @@ class TransferStats(msgspec.Struct):
     """What moving one request's KV cost.
 
     ``transfer_s``: time with the request's KV on the wire (the union of its
-    transfers' post-to-completion intervals). ``exposed_s``: the part of that on
-    the path to the first token (READ: all of it; WRITE: from the end of prefill
-    compute to the last layer's completion, as earlier layers overlap compute).
+    transfers' post-to-completion intervals). ``exposed_s``: the KV handoff's
+    share of the path to the first token: READ, the reads (all layers posted at
+    once); WRITE, from the end of prefill compute to write_done sent (the layers
+    before the last overlap compute, so this is the last writes and the message).
     """
 
     bytes: int = 0

@@ -140,6 +140,8 @@ class PrefillServer:
             await inst.notify(remote.decode, WriteDone(req.request_id, first, stats))
         except (MoriioError, OSError, TimeoutError) as exc:
             raise PeerUnavailable(f"write_done not delivered: {exc}", cause="decode") from exc
+        # What the proxy hears includes sending write_done: decode waits for it, not for the bytes.
+        stats.exposed_s = time.perf_counter() - stats.exposed_s
         return first, stats, remote
 
     async def _compute_and_write(
@@ -191,11 +193,10 @@ class PrefillServer:
                 raise PeerUnavailable(f"KV writes to decode failed: {exc}", cause="decode") from exc
             finally:
                 inst.metrics.settle("write", transfers, error)
-        last = max(end for _, end in intervals)
         return first, TransferStats(
             bytes=sum(t.nbytes for t in transfers),
             transfer_s=busy_time(intervals),
-            exposed_s=max(0.0, last - computed),
+            exposed_s=computed,  # a start time until _push turns it into a duration
             compute_s=computed - started,
         )
 

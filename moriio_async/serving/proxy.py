@@ -189,7 +189,8 @@ class Proxy:
                 await d_leg.result().aclose()
         if errors:
             raise errors[0]
-        return _Attempt(p, d, d_leg.result(), {"prefill_compute_s": p_leg.result().stats.compute_s})
+        stats = p_leg.result().stats  # prefill's view: exposed_s runs until write_done left
+        return _Attempt(p, d, d_leg.result(), {"prefill_compute_s": stats.compute_s, "exposed_s": stats.exposed_s})
 
     async def open(self, tokens: list[int], max_tokens: int, cid: str) -> _Attempt:
         """An open decode stream for the request, retried over instances; ``ApiError(503)`` when none can."""
@@ -257,14 +258,10 @@ class Proxy:
         att.decode.in_flight -= 1
         att.decode.served += 1
         h = att.stream.headers
-        att.kv.update(
-            mode=self.settings.mode,
-            prefill=att.prefill.url,
-            decode=att.decode.url,
-            bytes=int(h.get("x-kv-bytes", 0)),
-            transfer_s=float(h.get("x-kv-transfer-s", 0)),
-            exposed_s=float(h.get("x-kv-exposed-s", 0)),
-        )
+        att.kv.update(mode=self.settings.mode, prefill=att.prefill.url, decode=att.decode.url)
+        att.kv.setdefault("bytes", int(h.get("x-kv-bytes", 0)))
+        att.kv.setdefault("transfer_s", float(h.get("x-kv-transfer-s", 0)))
+        att.kv.setdefault("exposed_s", float(h.get("x-kv-exposed-s", 0)))
         self.metrics.kv_transfer.observe(att.kv["exposed_s"])
 
     async def complete(self, req: CompletionRequest) -> Response:
