@@ -1,11 +1,11 @@
 """``python -m moriio_async.serving {prefill,decode,proxy,demo}``: one serving process, or the whole demo.
 
-    python -m moriio_async.serving demo                      # 1P1D, both modes, checked against the reference
-    python -m moriio_async.serving demo --prefill 2 --decode 2 --mode read
-    python -m moriio_async.serving demo --serve --port 8000  # leave the proxy up for real clients
-    python -m moriio_async.serving prefill --port 8100 --name prefill-0
-    python -m moriio_async.serving decode --port 8200 --name decode-0
-    python -m moriio_async.serving proxy --port 8000 --prefill http://10.0.0.2:8100 --decode http://10.0.0.3:8200
+python -m moriio_async.serving demo                      # 1P1D, both modes, checked against the reference
+python -m moriio_async.serving demo --prefill 2 --decode 2 --mode read
+python -m moriio_async.serving demo --serve --port 8000  # leave the proxy up for real clients
+python -m moriio_async.serving prefill --port 8100 --name prefill-0
+python -m moriio_async.serving decode --port 8200 --name decode-0
+python -m moriio_async.serving proxy --port 8000 --prefill http://10.0.0.2:8100 --decode http://10.0.0.3:8200
 """
 
 from __future__ import annotations

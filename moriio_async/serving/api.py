@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
-
-import msgspec
 
 __all__ = ["ApiError", "CompletionRequest", "chunk", "completion", "error_response", "model_card", "parse_request"]
 
@@ -22,7 +21,15 @@ __all__ = ["ApiError", "CompletionRequest", "chunk", "completion", "error_respon
 class ApiError(Exception):
     """An OpenAI-shaped error answer."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type, param, code
 
@@ -107,16 +114,26 @@ def parse_request(body: bytes) -> CompletionRequest:
 
 
 def model_card(name: str, max_model_len: int, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "moriio_async", "max_model_len": max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "moriio_async",
+        "max_model_len": max_model_len,
+    }
 
 
 def chunk(cid: str, model: str, created: int, text: str, finish_reason: str | None, **extra: Any) -> dict[str, Any]:
     """One server-sent event of a streamed completion."""
-    choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if text or finish_reason else []
+    choices = (
+        [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if text or finish_reason else []
+    )
     return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices, **extra}
 
 
-def completion(cid: str, model: str, text: str, finish_reason: str, usage: dict[str, int], **extra: Any) -> dict[str, Any]:
+def completion(
+    cid: str, model: str, text: str, finish_reason: str, usage: dict[str, int], **extra: Any
+) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "text_completion",

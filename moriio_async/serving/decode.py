@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -137,7 +138,9 @@ class DecodeServer:
         inst, s = self.inst, self.inst.settings
         try:
             if req.layout is None or req.first_token is None or len(req.block_ids) != len(blocks):
-                raise ServingError(400, "READ mode needs prefill's layout, block_ids (one per prompt block), first_token")
+                raise ServingError(
+                    400, "READ mode needs prefill's layout, block_ids (one per prompt block), first_token"
+                )
             req.layout.check_blocks(req.block_ids)
             segments = [
                 transfer_segments(inst.pool.layout, blocks, req.layout, req.block_ids, layer)
@@ -178,7 +181,9 @@ class DecodeServer:
         try:
             with inst.pool.in_flight(blocks):
                 try:
-                    await inst.notify(req.prefill, RemoteBlocks(req.request_id, blocks, inst.pool.layout, inst.engine_ref()))
+                    await inst.notify(
+                        req.prefill, RemoteBlocks(req.request_id, blocks, inst.pool.layout, inst.engine_ref())
+                    )
                 except (MoriioError, OSError, TimeoutError) as exc:
                     log.info("%s: remote_blocks for %s not sent: %s", inst.settings.name, req.request_id, exc)
                     waiter.aborted.set()  # it may have arrived: settle it like an abort
@@ -193,10 +198,9 @@ class DecodeServer:
         """Prefill's answer; without one, return only when prefill cannot write into our blocks any more."""
         inst = self.inst
         aborted = asyncio.ensure_future(waiter.aborted.wait())
+        either: set[asyncio.Future[Any]] = {waiter.answer, aborted}
         try:
-            done, _ = await asyncio.wait(
-                [waiter.answer, aborted], timeout=inst.settings.write_wait_timeout, return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait(either, timeout=inst.settings.write_wait_timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             aborted.cancel()
         if waiter.answer.done():
@@ -218,7 +222,9 @@ class DecodeServer:
         check_prompt(inst.model, req.prompt_token_ids)
         total = len(req.prompt_token_ids) + req.max_tokens
         if req.max_tokens < 1 or total > inst.model.config.max_model_len:
-            raise ServingError(400, f"max_tokens {req.max_tokens} must be >= 1 and fit in max_model_len with the prompt")
+            raise ServingError(
+                400, f"max_tokens {req.max_tokens} must be >= 1 and fit in max_model_len with the prompt"
+            )
         with inst.request():
             try:
                 blocks = await inst.pool.allocate(inst.model.config.blocks_for(total), inst.settings.admission_timeout)

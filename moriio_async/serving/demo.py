@@ -40,8 +40,12 @@ __all__ = ["add_demo_parser", "run_demo"]
 
 
 def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="start a fleet, load it, check every token", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "demo",
+        help="start a fleet, load it, check every token",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--mode", choices=["read", "write", "both"], default="both", help="vLLM MoRIIO's read_mode")
@@ -154,20 +158,39 @@ class Demo:
         report = ModeReport(mode)
         done: list[Result] = []
         timeout = 4 * a.transfer_timeout + 60
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tok]} tokens"), TimeElapsedColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[tok]} tokens"),
+            TimeElapsedColumn(),
+        )
         with Progress(*columns, console=self.err, transient=False) as progress:
             task = progress.add_task(f"{mode.upper()} {a.prefill}P{a.decode}D", total=len(prompts), tok=0)
+
+            quarter = asyncio.Event()  # a quarter of the requests ended: time to kill prefill-0
 
             def on_done(r: Result) -> None:
                 done.append(r)
                 progress.update(task, advance=1, tok=sum(len(x.text) for x in done))
+                if len(done) >= len(prompts) // 4:
+                    quarter.set()
 
             started = time.perf_counter()
             load = asyncio.create_task(
-                run_load(self.client, proxy.url, self.model_config.name, prompts, a.max_tokens, a.concurrency, timeout, on_done)
+                run_load(
+                    self.client,
+                    proxy.url,
+                    self.model_config.name,
+                    prompts,
+                    a.max_tokens,
+                    a.concurrency,
+                    timeout,
+                    on_done,
+                )
             )
             if a.kill_prefill:
-                report.kill = await self.kill_and_restart(done, len(prompts), load)
+                report.kill = await self.kill_and_restart(quarter, load)
             report.results = await load
             report.wall = time.perf_counter() - started
         if a.kill_prefill and report.kill is not None:
@@ -176,11 +199,10 @@ class Demo:
         await self.launcher.stop(proxy)
         return report
 
-    async def kill_and_restart(self, done: list[Result], total: int, load: asyncio.Task[Any]) -> KillReport:
+    async def kill_and_restart(self, quarter: asyncio.Event, load: asyncio.Task[Any]) -> KillReport:
         """SIGKILL prefill-0 while blocks of its are in flight, then start it again on its port."""
         victim, kill = self.prefills[0], KillReport()
-        while len(done) < total // 4 and not load.done():
-            await asyncio.sleep(0.005)
+        await asyncio.wait([asyncio.ensure_future(quarter.wait()), load], return_when=asyncio.FIRST_COMPLETED)
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline and not load.done():
             h = await self.health(victim)
@@ -205,7 +227,9 @@ class Demo:
         incarnation = fresh["engine"]["incarnation"] if fresh else None
         await self.wait_fleet(proxy, lambda e: e["url"] != victim.url or e["incarnation"] == incarnation)
         n = 2 * len(self.prefills) + 2
-        wave = await run_load(self.client, proxy.url, self.model_config.name, prompts[:n], self.args.max_tokens, 1, 60.0)
+        wave = await run_load(
+            self.client, proxy.url, self.model_config.name, prompts[:n], self.args.max_tokens, 1, 60.0
+        )
         report.results += wave
         h = await self.health(victim)
         report.kill.served_after_restart = h["requests_served"] if h else 0
@@ -220,7 +244,7 @@ class Demo:
         self.err.print(
             f"OpenAI completions API, model [bold]{c.name}[/], {mode.upper()} mode, "
             f"{len(self.prefills)}P{len(self.decodes)}D; try:\n  curl {proxy.url}/v1/completions "
-            f"-H 'content-type: application/json' -d '{{\"model\": \"{c.name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'"
+            f'-H \'content-type: application/json\' -d \'{{"model": "{c.name}", "prompt": "Hello", "max_tokens": 16}}\''
             "\nCtrl-C stops everything."
         )
         assert proxy.proc is not None
@@ -254,7 +278,10 @@ class Demo:
 def run_demo(args: argparse.Namespace) -> int:
     longest = args.max_prompt + 1 + args.max_tokens  # the BOS token, the prompt's bytes, the completion
     if not 0 < args.min_prompt <= args.max_prompt or longest > args.max_model_len:
-        sys.exit(f"prompts of {args.min_prompt}..{args.max_prompt} bytes plus {args.max_tokens} tokens must fit in --max-model-len {args.max_model_len}")
+        sys.exit(
+            f"prompts of {args.min_prompt}..{args.max_prompt} bytes plus {args.max_tokens} tokens "
+            f"must fit in --max-model-len {args.max_model_len}"
+        )
     if args.prefill < 1 or args.decode < 1 or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
         sys.exit("--prefill, --decode, --requests, --concurrency and --max-tokens must be at least 1")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="moriio-serving-"))
@@ -295,4 +322,3 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
-

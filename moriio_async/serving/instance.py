@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import msgspec
 
 from moriio_async import (
-    ControlPlaneError,
     IOEngine,
     IOEngineConfig,
     MemoryDesc,
@@ -41,7 +40,7 @@ __all__ = ["Instance", "PeerUnavailable", "ServingError", "check_prompt"]
 
 log = logging.getLogger("moriio_async.serving")
 T = TypeVar("T")
-Handler = Callable[[Any, str], Awaitable[None]]
+Handler = Callable[[Any, str], Coroutine[Any, Any, None]]
 
 
 class ServingError(Exception):
@@ -97,7 +96,13 @@ class Instance:
         r.register(StatsCollector("moriio_kv_blocks", "KV blocks of this instance by state", self.pool.stats))
         r.register(StatsCollector("moriio_engine", "IOEngine.statistics()", self.engine_statistics))
         self._router = asyncio.create_task(self._route_notifications(), name=f"{self.settings.name}-notifications")
-        log.info("%s: engine %s (%s), %d KV blocks", self.settings.name, self.engine.address, self.backend, self.pool.num_blocks)
+        log.info(
+            "%s: engine %s (%s), %d KV blocks",
+            self.settings.name,
+            self.engine.address,
+            self.backend,
+            self.pool.num_blocks,
+        )
 
     async def close(self) -> None:
         if self._router is not None:
@@ -285,4 +290,3 @@ def check_prompt(model: Model, tokens: list[int]) -> None:
     c = model.config
     if not tokens or len(tokens) > c.max_model_len or any(not 0 <= t < c.vocab for t in tokens):
         raise ServingError(400, f"prompt_token_ids must be 1..{c.max_model_len} ids in 0..{c.vocab - 1}")
-

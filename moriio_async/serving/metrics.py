@@ -26,9 +26,7 @@ _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 
 
 
 def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
-    if isinstance(value, bool):
-        yield prefix, float(value)
-    elif isinstance(value, int | float):
+    if isinstance(value, bool | int | float):
         yield prefix, float(value)
     elif isinstance(value, Mapping):
         for k, v in value.items():
@@ -105,14 +103,22 @@ class ProxyMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.requests = Counter("moriio_proxy_requests", "Completions requests ended, by HTTP status", ["status"], registry=r)
+        self.requests = Counter(
+            "moriio_proxy_requests", "Completions requests ended, by HTTP status", ["status"], registry=r
+        )
         self.requests_in_flight = Gauge("moriio_proxy_requests_in_flight", "Completions being served", registry=r)
         self.retries = Counter("moriio_proxy_retries", "Attempts retried on other instances", ["reason"], registry=r)
         self.ttft = Histogram(
-            "moriio_proxy_ttft_seconds", "Time to the first token, as the proxy sees it", buckets=_LATENCY_BUCKETS, registry=r
+            "moriio_proxy_ttft_seconds",
+            "Time to the first token, as the proxy sees it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.kv_transfer = Histogram(
-            "moriio_proxy_kv_transfer_seconds", "KV transfer time on the TTFT path", buckets=_LATENCY_BUCKETS, registry=r
+            "moriio_proxy_kv_transfer_seconds",
+            "KV transfer time on the TTFT path",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
 
     def render(self) -> bytes:

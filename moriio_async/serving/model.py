@@ -27,12 +27,12 @@ import numpy.typing as npt
 
 __all__ = [
     "BOS",
-    "ModelConfig",
     "Model",
-    "dense_attention",
-    "paged_attention",
-    "encode",
+    "ModelConfig",
     "decode_text",
+    "dense_attention",
+    "encode",
+    "paged_attention",
 ]
 
 F32 = npt.NDArray[np.float32]
@@ -105,12 +105,14 @@ class _Layer:
 
 def _rms_norm(x: F32, gain: F32) -> F32:
     scale = np.float32(1.0) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-5))
-    return (x * scale * gain).astype(np.float32)
+    out: F32 = (x * scale * gain).astype(np.float32)
+    return out
 
 
 def _softmax(x: F32) -> F32:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+    out: F32 = (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+    return out
 
 
 def dense_attention(q: F32, k: F32, v: F32, first_pos: int) -> F32:
@@ -140,7 +142,8 @@ class Model:
         rng = np.random.default_rng(c.seed)
 
         def mat(rows: int, cols: int) -> F32:
-            return (rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(np.float32)
+            out: F32 = (rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(np.float32)
+            return out
 
         self.embed = (rng.standard_normal((c.vocab, c.d_model))).astype(np.float32)
         self.layers = [
@@ -183,7 +186,8 @@ class Model:
     def _finish_layer(self, layer: _Layer, x: F32, attn: F32) -> F32:
         x = x + attn.reshape(len(x), -1) @ layer.wo
         h = _rms_norm(x, layer.ln2) @ layer.w1
-        return (x + (h / (np.float32(1.0) + np.exp(-h))) @ layer.w2).astype(np.float32)
+        out: F32 = (x + (h / (np.float32(1.0) + np.exp(-h))) @ layer.w2).astype(np.float32)
+        return out
 
     def _store(self, cache: F32, layer: int, block_table: Sequence[int], start: int, k: F32, v: F32) -> None:
         pos = np.arange(start, start + len(k))

@@ -271,4 +271,3 @@ def create_prefill_app(settings: InstanceSettings) -> FastAPI:
         return json_response({"ok": True})
 
     return app
-

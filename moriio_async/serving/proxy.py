@@ -97,7 +97,9 @@ class Proxy:
 
     def __init__(self, settings: ProxySettings, client: httpx.AsyncClient) -> None:
         self.settings, self.client = settings, client
-        self.fleet = Fleet(settings.prefill, settings.decode, client, settings.model.fingerprint(), settings.health_interval)
+        self.fleet = Fleet(
+            settings.prefill, settings.decode, client, settings.model.fingerprint(), settings.health_interval
+        )
         self.metrics = ProxyMetrics()
         self.created = int(time.time())
 
@@ -222,7 +224,10 @@ class Proxy:
             result.kv["attempts"] = attempt + 1
             return result
         raise ApiError(
-            503, "no instance could serve the request: " + "; ".join(causes), type="server_error", code="no_healthy_instance"
+            503,
+            "no instance could serve the request: " + "; ".join(causes),
+            type="server_error",
+            code="no_healthy_instance",
         )
 
     # -- the completion ------------------------------------------------------------------------------
@@ -272,7 +277,9 @@ class Proxy:
         model = self.settings.model.name
         if req.stream:
             return StreamingResponse(
-                self._sse(att, cid, model, len(tokens), started, bool(req.stream_options and req.stream_options.include_usage)),
+                self._sse(
+                    att, cid, model, len(tokens), started, bool(req.stream_options and req.stream_options.include_usage)
+                ),
                 media_type="text/event-stream",
                 background=BackgroundTask(self.finish, att),
             )

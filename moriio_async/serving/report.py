@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from .model import ModelConfig
-from .workload import Result, mean, percentile
+from .workload import Result, percentile
 
 if TYPE_CHECKING:
     from .demo import KillReport

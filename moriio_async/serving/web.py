@@ -111,7 +111,7 @@ def serve(app: FastAPI, host: str, port: int, *, role: str, parent_watch: bool =
 
     async def main() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
+        while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn offers a flag, no event)
             await asyncio.sleep(0.01)
         if server.started:
             url = f"http://{host}:{bound}"

@@ -20,11 +20,15 @@ import httpx
 
 __all__ = ["Result", "make_prompts", "percentile", "run_load", "stream_completion"]
 
+# fmt: off
 _WORDS = (
-    "the a prefill decode cache block layer token attention transfer queue pair engine memory region "
-    "session batch read write release notify incarnation deadline model server proxy request stream "
-    "latency bandwidth loopback socket kernel completion channel event loop await future task worker"
-).split()
+    "the", "a", "prefill", "decode", "cache", "block", "layer", "token", "attention", "transfer", "queue",
+    "pair", "engine", "memory", "region", "session", "batch", "read", "write", "release", "notify",
+    "incarnation", "deadline", "model", "server", "proxy", "request", "stream", "latency", "bandwidth",
+    "loopback", "socket", "kernel", "completion", "channel", "event", "loop", "await", "future", "task",
+    "worker",
+)
+# fmt: on
 
 
 def make_prompts(n: int, seed: int, min_bytes: int, max_bytes: int) -> list[str]:
