@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -63,6 +64,7 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="the proxy's port")
     p.add_argument("--log-dir", type=Path, default=None, help="children's logs (default: a temporary directory)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results to this file, as JSON")
     add_model_args(p)
     add_timeout_args(p)
     p.set_defaults(transfer_timeout=5.0)
@@ -269,6 +271,8 @@ class Demo:
             report.check(references, prompts, a.transfer_timeout + 1.0, a.prefill)
             ok &= report.passed
         self.console.print(render_table(reports, a, self.model_config))
+        if a.json is not None:
+            a.json.write_text(json.dumps({"passed": ok, "modes": [r.summary() for r in reports]}, indent=2))
         for report in reports:
             for line in report.problems:
                 self.console.print(f"[red]{report.mode.upper()}: {line}[/]")
@@ -277,7 +281,7 @@ class Demo:
 
 def run_demo(args: argparse.Namespace) -> int:
     longest = args.max_prompt + 1 + args.max_tokens  # the BOS token, the prompt's bytes, the completion
-    if not 0 < args.min_prompt <= args.max_prompt or longest > args.max_model_len:
+    if not args.serve and (not 0 < args.min_prompt <= args.max_prompt or longest > args.max_model_len):
         sys.exit(
             f"prompts of {args.min_prompt}..{args.max_prompt} bytes plus {args.max_tokens} tokens "
             f"must fit in --max-model-len {args.max_model_len}"

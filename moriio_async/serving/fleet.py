@@ -48,6 +48,7 @@ class Endpoint:
             "healthy": self.healthy,
             "reason": self.reason,
             "name": h.name if h else None,
+            "pid": h.pid if h else None,
             "incarnation": h.engine.incarnation if h else None,
             "in_flight": self.in_flight,
             "served": self.served,

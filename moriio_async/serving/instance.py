@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -137,6 +138,7 @@ class Instance:
         return InstanceHealth(
             role=s.role,
             name=s.name,
+            pid=os.getpid(),
             model=s.model.name,
             fingerprint=s.model.fingerprint(),
             engine=self.engine_ref(),

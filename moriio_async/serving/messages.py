@@ -155,6 +155,7 @@ class ErrorBody(msgspec.Struct):
 class InstanceHealth(msgspec.Struct):
     role: str
     name: str
+    pid: int
     model: str
     fingerprint: str
     engine: EngineRef

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -62,6 +63,28 @@ class ModeReport:
         if self.kill is not None and self.kill.served_after_restart < 1:
             self.problems.append("the restarted prefill-0 served no request")
 
+    def summary(self) -> dict[str, Any]:
+        """Counts, figures and problems as plain data (``demo --json``)."""
+        ok = self.ok_results()
+        return {
+            "mode": self.mode,
+            "passed": self.passed,
+            "requests": len(self.results),
+            "ok": len(ok),
+            "identical": self.identical,
+            "mismatched": self.mismatched,
+            "unavailable": self.unavailable,
+            "failed": self.failed,
+            "hung": self.hung,
+            "retried": sum(1 for r in ok if int(r.kv.get("attempts", 1)) > 1),
+            "max_latency_s": max((r.latency for r in self.results), default=0.0),
+            "leaks": self.leaks,
+            "kill": dataclasses.asdict(self.kill) if self.kill is not None else None,
+            "errors": sorted({f"{r.status}: {r.error[:200]}" for r in self.results if not r.ok}),
+            "figures": self.figures(),
+            "problems": self.problems,
+        }
+
     # -- figures ---------------------------------------------------------------------------------
 
     def ok_results(self) -> list[Result]:
@@ -98,7 +121,6 @@ class ModeReport:
             k = self.kill
             rows["prefill-0 SIGKILLed with blocks in flight"] = str(k.in_flight_blocks)
             rows["restarted prefill-0 served"] = f"{k.served_after_restart} requests"
-        rows["verdict"] = "[green]PASS[/]" if self.passed else "[red]FAIL[/]"
         return rows
 
 
@@ -120,4 +142,5 @@ def render_table(reports: list[ModeReport], args: argparse.Namespace, model: Mod
     figures = [r.figures() for r in reports]
     for key in figures[0]:
         table.add_row(key, *(f.get(key, "-") for f in figures))
+    table.add_row("verdict", *("[green]PASS[/]" if r.passed else "[red]FAIL[/]" for r in reports))
     return table
