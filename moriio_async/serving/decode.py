@@ -74,7 +74,7 @@ class Generation:
         self.inst, self.req, self.blocks, self.first = inst, req, blocks, first
         self.queue: asyncio.Queue[int] = asyncio.Queue()
         self.finish_reason = "error"
-        self.task = asyncio.create_task(self._run(), name=f"generate {req.request_id}")
+        self.task = inst.spawn(self._run(), name=f"generate {req.request_id}")
 
     async def _run(self) -> None:
         inst, req = self.inst, self.req

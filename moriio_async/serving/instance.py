@@ -149,11 +149,12 @@ class Instance:
             requests_served=self.requests_served,
         )
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
         """Run ``coro`` as a task the instance tracks (and cancels at close)."""
-        task = asyncio.create_task(coro)
+        task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
