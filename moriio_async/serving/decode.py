@@ -156,10 +156,12 @@ class DecodeServer:
                     await waiting_for_transfer_complete(transfers, timeout=s.transfer_timeout)
                 except TransferError as exc:
                     error = exc
-                    if exc.timed_out:  # a timed-out read may still land: flush the pair before freeing
-                        await session.abort()
                     raise PeerUnavailable(f"KV reads from {req.prefill.key} failed: {exc}", cause="prefill") from exc
                 finally:
+                    if any(not t.done() for t in transfers):
+                        # Timed out (or we were cancelled): a read may still land, so flush the pair
+                        # before the blocks can be freed and reused.
+                        await session.abort()
                     inst.metrics.settle("read", transfers, error)
                 elapsed = time.perf_counter() - posted
         except ValueError as exc:
