@@ -298,18 +298,24 @@ def run_demo(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, main.cancel)
+        code = 1
         try:
-            return await demo.main()
+            code = await demo.main()
         except asyncio.CancelledError:
             demo.err.print("interrupted: stopping every process")
-            return 130
+            code = 130
         finally:
             statuses = await asyncio.shield(demo.launcher.close())
             await demo.client.aclose()
-            left = [c.name for c in demo.launcher.children if c.pid is not None and _group_alive(c.pid)]
-            if left:
-                demo.err.print(f"[red]processes left behind: {left}[/]")
-            demo.err.print(f"stopped {len(statuses)} processes; logs in {log_dir}")
+        left = [c.name for c in demo.launcher.children if c.pid is not None and _group_alive(c.pid)]
+        if left:
+            demo.err.print(f"[red]processes left behind: {left}[/]")
+        # uvicorn re-raises the SIGTERM it shut down on: -SIGTERM is a clean stop.
+        unclean = {n: c for n, c in statuses.items() if c not in (0, -signal.SIGTERM)}
+        if unclean:
+            demo.err.print(f"[red]processes that did not stop cleanly: {unclean}[/]")
+        demo.err.print(f"stopped {len(statuses)} processes; logs in {log_dir}")
+        return code or int(bool(left or unclean))
 
     try:
         import uvloop

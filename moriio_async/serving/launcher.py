@@ -92,6 +92,8 @@ class Launcher:
             await self._signal(child, signal.SIGKILL)
             raise StartFailed(f"{child.name} did not start; its log:\n{self.tail(child)}")
         child.url, child.port = info["url"], int(info["url"].rsplit(":", 1)[1])
+        with child.log.open("ab") as log:
+            log.write(f"== serving at {child.url}, pid {child.proc.pid}\n".encode())
 
     def tail(self, child: Child, lines: int = 30) -> str:
         try:

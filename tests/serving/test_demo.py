@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .fleet import run_demo
+from .fleet import MODEL_FLAGS, alive, env, run_demo
 
 
 def blocks_left(mode: dict[str, Any]) -> int:
@@ -51,3 +56,29 @@ def test_a_killed_only_prefill_instance_gives_clear_503s_until_it_is_back(tmp_pa
     assert mode["identical"] == mode["ok"] >= 4  # at least the wave after the restart
     assert mode["max_latency_s"] <= 3 + 1
     assert blocks_left(mode) == 0 and mode["kill"]["served_after_restart"] >= 1, mode
+
+
+def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    argv = [sys.executable, "-m", "moriio_async.serving", "demo", *MODEL_FLAGS, "--log-dir", str(logs)]
+    argv += ["--requests", "2000", "--concurrency", "4", "--max-tokens", "16", "--max-prompt", "200"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (logs / "proxy-write.log").exists() or "== serving at" not in (logs / "proxy-write.log").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the demo did not start its proxy"
+            time.sleep(0.05)
+        time.sleep(1.0)  # requests in flight
+        pids = [
+            int(m) for log in logs.glob("*.log") for m in re.findall(r"== serving at \S+, pid (\d+)", log.read_text())
+        ]
+        assert len(pids) == 3  # prefill, decode, proxy
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if alive(p)] == []
