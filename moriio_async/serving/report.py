@@ -108,8 +108,11 @@ class ModeReport:
             "transfer GB/s (while in flight)": f"{kv_bytes / busy / 1e9:.2f}" if busy else "-",
             "TTFT p50 / p99 (ms)": f"{percentile(ttft, 0.5) * 1e3:.1f} / {percentile(ttft, 0.99) * 1e3:.1f}",
             "inter-token p50 / p99 (ms)": f"{percentile(gaps, 0.5) * 1e3:.2f} / {percentile(gaps, 0.99) * 1e3:.2f}",
-            "KV transfer share of TTFT (all / p99)": (
-                f"{sum(exposed) / sum(ttft) * 100:.1f}% / {percentile(shares, 0.99) * 100:.1f}%" if ttft else "-"
+            "KV transfer share of TTFT (all / p50 / p99)": (
+                f"{sum(exposed) / sum(ttft) * 100:.1f}% / {percentile(shares, 0.5) * 100:.1f}% / "
+                f"{percentile(shares, 0.99) * 100:.1f}%"
+                if ttft
+                else "-"
             ),
             "KV transfer on the TTFT path p50 (ms)": f"{percentile(exposed, 0.5) * 1e3:.2f}",
             "retried / 503 / failed / hung": f"{retried} / {self.unavailable} / {self.failed} / {self.hung}",
