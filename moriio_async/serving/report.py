@@ -101,20 +101,20 @@ class ModeReport:
         retried = sum(1 for r in ok if int(r.kv.get("attempts", 1)) > 1)
         rows = {
             "requests ok / sent": f"{len(ok)} / {len(self.results)}",
-            "token-identical to the reference": f"{self.identical} / {len(ok)}"
+            "token-identical to reference": f"{self.identical} / {len(ok)}"
             + ("" if not self.mismatched else f"  ({self.mismatched} MISMATCHED)"),
             "tokens generated": str(sum(len(r.text) for r in ok)),
             "KV bytes moved": _bytes(kv_bytes),
             "transfer GB/s (while in flight)": f"{kv_bytes / busy / 1e9:.2f}" if busy else "-",
             "TTFT p50 / p99 (ms)": f"{percentile(ttft, 0.5) * 1e3:.1f} / {percentile(ttft, 0.99) * 1e3:.1f}",
             "inter-token p50 / p99 (ms)": f"{percentile(gaps, 0.5) * 1e3:.2f} / {percentile(gaps, 0.99) * 1e3:.2f}",
-            "KV transfer share of TTFT (all / p50 / p99)": (
-                f"{sum(exposed) / sum(ttft) * 100:.1f}% / {percentile(shares, 0.5) * 100:.1f}% / "
+            "KV share of TTFT all/p50/p99": (
+                f"{sum(exposed) / sum(ttft) * 100:.1f}%/{percentile(shares, 0.5) * 100:.1f}%/"
                 f"{percentile(shares, 0.99) * 100:.1f}%"
                 if ttft
                 else "-"
             ),
-            "KV transfer on the TTFT path p50 (ms)": f"{percentile(exposed, 0.5) * 1e3:.2f}",
+            "KV on the TTFT path p50 (ms)": f"{percentile(exposed, 0.5) * 1e3:.2f}",
             "retried / 503 / failed / hung": f"{retried} / {self.unavailable} / {self.failed} / {self.hung}",
             "blocks in use after the run": str(sum(max(0, n) for n in self.leaks.values())),
             "wall time (s)": f"{self.wall:.2f}",
@@ -122,7 +122,7 @@ class ModeReport:
         }
         if self.kill is not None:
             k = self.kill
-            rows["prefill-0 SIGKILLed with blocks in flight"] = str(k.in_flight_blocks)
+            rows["prefill-0 killed, blocks in flight"] = str(k.in_flight_blocks)
             rows["restarted prefill-0 served"] = f"{k.served_after_restart} requests"
         return rows
 
