@@ -1,0 +1,149 @@
+"""Starting and stopping the fleet's processes: each in its own process group, none left behind.
+
+Every child is ``python -m moriio_async.serving <role> --parent-watch ...`` in a
+new session (its own process group, so a terminal's Ctrl-C reaches only the
+launcher, which then stops the children in order). A child prints one JSON line
+with its URL when it serves; its log goes to a file. ``stop`` is SIGTERM to the
+group (uvicorn shuts down gracefully, the engine closes), then SIGKILL after a
+grace period; ``kill`` is SIGKILL at once (the failure the demo injects);
+``restart`` starts the same command on the same port (a new engine incarnation).
+With ``--parent-watch`` a child also exits when its stdin closes, so even a
+launcher killed by SIGKILL leaves no server behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Child", "Launcher", "StartFailed"]
+
+
+class StartFailed(RuntimeError):
+    """A child exited or stayed silent instead of serving."""
+
+
+@dataclass(eq=False)
+class Child:
+    role: str
+    name: str
+    args: list[str]
+    log: Path
+    port: int = 0
+    url: str = ""
+    proc: asyncio.subprocess.Process | None = None
+    starts: int = field(default=0)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class Launcher:
+    """Owns the fleet's child processes."""
+
+    def __init__(self, log_dir: Path, startup_timeout: float = 60.0) -> None:
+        self.log_dir, self.startup_timeout = log_dir, startup_timeout
+        self.children: list[Child] = []
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            self.env[var] = "1"
+
+    async def spawn(self, role: str, name: str, args: list[str], port: int = 0) -> Child:
+        child = Child(role, name, list(args), self.log_dir / f"{name}.log", port)
+        self.children.append(child)
+        await self._start(child)
+        return child
+
+    async def _start(self, child: Child) -> None:
+        child.starts += 1
+        argv = [sys.executable, "-m", "moriio_async.serving", "--log-level", "INFO", child.role]
+        argv += ["--port", str(child.port), "--parent-watch", *child.args]
+        if child.role != "proxy":
+            argv += ["--name", child.name]
+        with child.log.open("ab") as log:
+            log.write(f"== start {child.starts}: {' '.join(argv)}\n".encode())
+            log.flush()
+            child.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                env=self.env,
+                start_new_session=True,
+            )
+        assert child.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(child.proc.stdout.readline(), self.startup_timeout)
+            info = json.loads(line) if line else None
+        except (TimeoutError, ValueError):
+            info = None
+        if not info:
+            await self._signal(child, signal.SIGKILL)
+            raise StartFailed(f"{child.name} did not start; its log:\n{self.tail(child)}")
+        child.url, child.port = info["url"], int(info["url"].rsplit(":", 1)[1])
+        with child.log.open("ab") as log:
+            log.write(f"== serving at {child.url}, pid {child.proc.pid}\n".encode())
+
+    def tail(self, child: Child, lines: int = 30) -> str:
+        try:
+            return "\n".join(child.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    async def _signal(self, child: Child, sig: signal.Signals) -> None:
+        proc = child.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+    async def kill(self, child: Child) -> None:
+        """SIGKILL the child's process group now (failure injection) and reap it."""
+        await self._signal(child, signal.SIGKILL)
+        if child.proc is not None:
+            await child.proc.wait()
+
+    async def restart(self, child: Child) -> None:
+        """The same command on the same port: a new process, a new engine incarnation."""
+        if child.running:
+            await self.stop(child)
+        await self._start(child)
+
+    async def stop(self, child: Child, grace: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds; returns the exit status."""
+        proc = child.proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            await self._signal(child, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except TimeoutError:
+                await self._signal(child, signal.SIGKILL)
+                await proc.wait()
+        # The process group may hold stragglers (none expected): make sure they go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.stdin is not None:
+            proc.stdin.close()
+        return proc.returncode
+
+    async def close(self) -> dict[str, int | None]:
+        """Stop every child (proxies first); their exit statuses by name."""
+        order = sorted(self.children, key=lambda c: c.role != "proxy")
+        statuses: dict[str, int | None] = {}
+        for group in ([c for c in order if c.role == "proxy"], [c for c in order if c.role != "proxy"]):
+            codes = await asyncio.gather(*(self.stop(c) for c in group))
+            statuses.update({c.name: code for c, code in zip(group, codes, strict=True)})
+        return statuses

@@ -1,0 +1,163 @@
+"""The block pool's accounting, the merged transfer segments, and the WRITE-mode rendezvous."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from moriio_async.serving.kvpool import KVLayout, KVPool, PoolExhausted, transfer_segments
+from moriio_async.serving.messages import EngineRef, RemoteBlocks
+from moriio_async.serving.model import Model, ModelConfig
+from moriio_async.serving.rendezvous import Abandoned, Rendezvous
+
+SMALL = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, block_size=4, max_model_len=64)
+
+
+def pool(blocks: int = 8) -> KVPool:
+    return KVPool(Model(SMALL).new_cache(blocks))
+
+
+def test_layout_follows_the_array() -> None:
+    p = pool(8)
+    assert p.layout == KVLayout(layers=2, num_blocks=8, block_bytes=SMALL.block_bytes)
+    raw = p.array.view(np.uint8).reshape(-1)
+    p.array[1, 1, 5] = 7.0  # V of block 5 at layer 1
+    start = p.layout.offset(1, 1, 5)
+    assert raw[start : start + SMALL.block_bytes].view(np.float32).tolist() == [7.0] * (SMALL.block_bytes // 4)
+    assert not raw[:start].any() and not raw[start + SMALL.block_bytes :].any()
+
+
+def test_accounting_allocated_free_in_flight() -> None:
+    p = pool(8)
+    a = p.try_allocate(3)
+    assert a == [0, 1, 2]  # lowest ids first: a request's blocks tend to be contiguous
+    assert p.stats() == {"capacity": 8, "free": 5, "allocated": 3, "in_flight": 0, "peak": 3}
+    with p.in_flight(a[:2]):
+        assert p.in_flight_blocks == 2
+        with pytest.raises(ValueError, match="in flight"):
+            p.free(a)
+    p.free(a)
+    assert p.stats()["allocated"] == 0 and p.free_blocks == 8
+    with pytest.raises(ValueError, match="not allocated"):
+        p.free([0])
+    with pytest.raises(ValueError, match="not allocated"):
+        p.begin_flight([3])
+    assert p.try_allocate(9 - 1) is not None and p.try_allocate(1) is None
+    with pytest.raises(ValueError, match=r"1\.\.8"):
+        p.try_allocate(9)
+
+
+def test_flight_marks_nest() -> None:
+    p = pool(4)
+    ids = p.try_allocate(2)
+    assert ids is not None
+    p.begin_flight(ids)
+    p.begin_flight(ids[:1])
+    p.end_flight(ids)
+    assert p.in_flight_blocks == 1
+    p.end_flight(ids[:1])
+    assert p.in_flight_blocks == 0
+
+
+async def test_allocate_waits_for_a_free_then_gives_up() -> None:
+    p = pool(4)
+    held = p.try_allocate(4)
+    assert held is not None
+    waiter = asyncio.create_task(p.allocate(2, timeout=5))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    p.free(held[:2])
+    assert sorted(await waiter) == held[:2]
+    with pytest.raises(PoolExhausted, match="no 3 free KV blocks"):
+        await p.allocate(3, timeout=0.05)
+
+
+def test_segments_merge_contiguous_runs_on_both_sides() -> None:
+    local, remote = KVLayout(2, 8, 64), KVLayout(2, 16, 64)
+    lo, ro, sz = transfer_segments(local, [2, 3, 4], remote, [10, 11, 12], layer=1)
+    # One run for K, one for V.
+    assert sz == [192, 192]
+    assert lo == [local.offset(1, 0, 2), local.offset(1, 1, 2)]
+    assert ro == [remote.offset(1, 0, 10), remote.offset(1, 1, 10)]
+    # Contiguous locally only: no merge; pairs are sorted by local id.
+    lo, ro, sz = transfer_segments(local, [4, 3], remote, [1, 7], layer=0)
+    assert sz == [64] * 4 and lo[:2] == [local.offset(0, 0, 3), local.offset(0, 0, 4)]
+    assert ro[:2] == [remote.offset(0, 0, 7), remote.offset(0, 0, 1)]
+    with pytest.raises(ValueError, match="incompatible"):
+        transfer_segments(local, [0], KVLayout(3, 8, 64), [0], 0)
+    with pytest.raises(ValueError, match="length"):
+        transfer_segments(local, [0, 1], remote, [0], 0)
+
+
+def test_segments_move_exactly_the_blocks_asked_for() -> None:
+    """Copying bytes by the segments (what the NIC does) lands every block where the table says."""
+    src, dst = pool(8), pool(12)
+    rng = np.random.default_rng(0)
+    src.array[:] = rng.standard_normal(src.array.shape).astype(np.float32)
+    s_ids, d_ids = [1, 2, 3, 6], [9, 10, 4, 5]
+    s_raw, d_raw = src.array.view(np.uint8).reshape(-1), dst.array.view(np.uint8).reshape(-1)
+    for layer in range(SMALL.n_layers):
+        for lo, ro, n in zip(*transfer_segments(dst.layout, d_ids, src.layout, s_ids, layer), strict=True):
+            d_raw[lo : lo + n] = s_raw[ro : ro + n]  # a READ: local = decode, remote = prefill
+    for s, d in zip(s_ids, d_ids, strict=True):
+        assert np.array_equal(dst.array[:, :, d], src.array[:, :, s])
+    untouched = [b for b in range(12) if b not in d_ids]
+    assert not dst.array[:, :, untouched].any()
+
+
+def test_check_blocks() -> None:
+    layout = KVLayout(2, 8, 64)
+    layout.check_blocks([0, 7])
+    for bad in ([8], [-1], [1, 1]):
+        with pytest.raises(ValueError, match="distinct"):
+            layout.check_blocks(bad)
+
+
+# -- the WRITE-mode rendezvous ---------------------------------------------------------------------
+
+
+def blocks_msg(rid: str) -> RemoteBlocks:
+    return RemoteBlocks(rid, [1, 2], KVLayout(2, 8, 64), EngineRef("decode-0", "127.0.0.1:1", 1))
+
+
+async def test_rendezvous_meets_in_either_order() -> None:
+    orphans: list[tuple[str, str]] = []
+    rv = Rendezvous(ttl=5, limit=8, on_orphan=lambda m, why: orphans.append((m.request_id, why)))
+    assert rv.deliver(blocks_msg("a")) == ""
+    assert (await rv.claim("a", 1)).request_id == "a"
+    claim = asyncio.create_task(rv.claim("b", 1))
+    await asyncio.sleep(0)
+    assert rv.deliver(blocks_msg("b")) == ""
+    assert (await claim).block_ids == [1, 2]
+    assert len(rv) == 0 and orphans == []
+
+
+async def test_rendezvous_refuses_blocks_of_a_request_that_gave_up() -> None:
+    orphans: list[str] = []
+    rv = Rendezvous(ttl=5, limit=8, on_orphan=lambda m, why: orphans.append(m.request_id))
+    with pytest.raises(Abandoned, match="no remote_blocks"):
+        await rv.claim("late", 0.01)
+    assert rv.deliver(blocks_msg("late")) == "the prefill request already ended"
+    rv.abandon("gone")
+    assert rv.deliver(blocks_msg("gone")) != ""
+    assert rv.deliver(blocks_msg("dup")) == "" and rv.deliver(blocks_msg("dup")) == "duplicate remote_blocks"
+
+
+async def test_rendezvous_hands_unclaimed_blocks_back_and_stays_bounded() -> None:
+    orphans: list[str] = []
+    rv = Rendezvous(ttl=0.02, limit=2, on_orphan=lambda m, why: orphans.append(m.request_id))
+    assert rv.deliver(blocks_msg("x")) == "" and rv.deliver(blocks_msg("y")) == ""
+    assert rv.deliver(blocks_msg("z")) == "too many requests waiting for their blocks"
+    await asyncio.sleep(0.1)
+    assert sorted(orphans) == ["x", "y"] and len(rv) == 0
+
+
+async def test_rendezvous_abandon_ends_a_waiting_claim() -> None:
+    rv = Rendezvous(ttl=5, limit=8, on_orphan=lambda m, why: None)
+    claim = asyncio.create_task(rv.claim("p", 5))
+    await asyncio.sleep(0)
+    rv.abandon("p")
+    with pytest.raises(Abandoned, match="abandoned"):
+        await claim
