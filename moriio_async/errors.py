@@ -114,13 +114,10 @@ class TransferTimeout(MoriioError, TimeoutError):
         "the buffers stay pinned until the transfer ends or the session is aborted"
     )
 
-    def __new__(cls, transfer_id: int, timeout: float, *, peer: str = "") -> TransferTimeout:
-        # TimeoutError is an OSError, whose constructor would read (transfer_id, timeout) as
-        # (errno, strerror): build it bare. A wait may time out thousands at once, so nothing
-        # is formatted until someone reads it.
-        return super().__new__(cls)
-
     def __init__(self, transfer_id: int, timeout: float, *, peer: str = "") -> None:
+        # OSError's own init is skipped on purpose: it would read (transfer_id, timeout) as
+        # (errno, strerror). A wait may time out thousands at once, so nothing is formatted
+        # until someone reads it.
         self.transfer_id = transfer_id
         self.timeout = timeout
         self.peer = peer

@@ -21,7 +21,15 @@ from ..core.outcome import Outcome
 from ..errors import TransferFailed
 from ..status import Opcode, StatusCode, WcStatus
 
-__all__ = ["Drainer", "Transfer"]
+__all__ = ["Drainer", "Transfer", "Watcher"]
+
+
+class Watcher(Protocol):
+    """Something waiting on many transfers at once (the deadline wait): told when each ends, until it closes."""
+
+    closed: bool
+
+    def ended(self, transfer: Transfer) -> None: ...
 
 
 class Drainer(Protocol):
@@ -47,6 +55,7 @@ class Transfer:
         "_outcome",
         "_ro",
         "_sz",
+        "_watchers",
         "id",
         "opcode",
         "peer",
@@ -78,6 +87,7 @@ class Transfer:
         self._outcome: Outcome | None = None
         self._drainer = drainer
         self._on_end: list[Callable[[Transfer], None]] = []
+        self._watchers: list[Watcher] = []
 
     # -- MoRI-IO's TransferStatus surface -------------------------------------------------
 
@@ -154,6 +164,21 @@ class Transfer:
         with contextlib.suppress(ValueError):
             self._on_end.remove(fn)
 
+    def watch(self, watcher: Watcher) -> None:
+        """Call ``watcher.ended(self)`` when the transfer ends (at once if it has), unless the watcher closed.
+
+        A wait over thousands of transfers closes its watcher at the deadline instead of unregistering
+        from each one; closed watchers are dropped here as new ones come, so waiting again and again on
+        a transfer that never ends keeps a bounded list.
+        """
+        if self._future.done():
+            watcher.ended(self)
+            return
+        watchers = self._watchers
+        if len(watchers) >= 16:
+            watchers = self._watchers = [w for w in watchers if not w.closed]
+        watchers.append(watcher)
+
     def __repr__(self) -> str:
         return f"<Transfer {self.id} {self.opcode.name} {self.nbytes}B to {self.peer} {self._code.name}>"
 
@@ -221,6 +246,10 @@ class Transfer:
         callbacks, self._on_end = self._on_end, []
         for fn in callbacks:
             fn(self)
+        watchers, self._watchers = self._watchers, []
+        for w in watchers:
+            if not w.closed:
+                w.ended(self)
 
 
 def _ints(values: Sequence[int] | npt.NDArray[np.int64]) -> tuple[int, ...]:

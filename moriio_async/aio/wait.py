@@ -26,7 +26,7 @@ __all__ = ["waiting_for_transfer_complete"]
 class _Waiter:
     """Counts pending transfers down; wakes the one future when the wait may end."""
 
-    __slots__ = ("deadline", "fail_fast", "failed", "future", "loop", "pending", "timer")
+    __slots__ = ("closed", "deadline", "fail_fast", "failed", "future", "loop", "pending", "timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pending: int, fail_fast: bool, timeout: float | None) -> None:
         self.loop = loop
@@ -34,6 +34,7 @@ class _Waiter:
         self.pending = pending
         self.fail_fast = fail_fast
         self.failed: list[TransferFailed] = []
+        self.closed = False
         self.deadline = None if timeout is None else loop.time() + timeout
         self.timer = None if self.deadline is None else loop.call_at(self.deadline, self.on_timer)
 
@@ -56,6 +57,8 @@ class _Waiter:
             self.future.set_result(None)
 
     def close(self) -> None:
+        """The wait is over: transfers that end later tell nobody (no unregistering from each one)."""
+        self.closed = True
         if self.timer is not None:
             self.timer.cancel()
 
@@ -87,12 +90,14 @@ async def waiting_for_transfer_complete(
             failed.append(error)
     # With fail_fast, a failure known before the wait began ends it at once, like one seen while waiting.
     ended_by_failure = fail_fast and bool(failed)
+    left = len(pending)
     if pending and not ended_by_failure:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, len(pending), fail_fast, timeout)
-        ended = waiter.ended
         for t in pending:
-            t.add_done_callback(ended)
+            t.watch(waiter)
+        # Known now, not at the deadline: only the work after the deadline makes a timeout late.
+        drainers = _drains(pending)
         try:
             if timeout is None or timeout > 0:
                 await waiter.future
@@ -100,14 +105,11 @@ async def waiting_for_transfer_complete(
             if waiter.pending and not ended_by_failure:
                 # The deadline: what the completion queues already hold is not a timeout. The
                 # drain runs the waiter's callback for each transfer it ends.
-                for drainer in _drains(pending):
+                for drainer in drainers:
                     drainer.drain()
         finally:
             waiter.close()
-            if waiter.pending:
-                for t in pending:
-                    if not t.done():
-                        t.remove_done_callback(ended)
+        left = waiter.pending
         failed += waiter.failed
         if len(failed) > 1:
             failed.sort(key=lambda e: e.transfer_id)
@@ -116,11 +118,12 @@ async def waiting_for_transfer_complete(
     # Past this point the wait ran to its deadline (or everything ended): a failure that only the
     # final drain found must not hide the transfers still pending, fail_fast or not.
     after = timeout or 0.0
-    timed_out = [TransferTimeout(t.id, after, peer=t.peer) for t in pending if not t.done()]
+    timed_out = [TransferTimeout(t.id, after, peer=t.peer) for t in pending if not t.done()] if left else []
     if failed or timed_out:
         raise TransferError.build(failed, timed_out, len(items))
 
 
 def _drains(pending: list[Transfer]) -> list[Drainer]:
     """One drain per completion router (per engine) behind the pending transfers, not one per transfer."""
-    return list(dict.fromkeys(d for t in pending if not t.done() and (d := t.drainer) is not None))
+    # Every router behind the list (one per engine), whether or not its transfers ended: a spare drain is cheap.
+    return [d for d in dict.fromkeys(t.drainer for t in pending) if d is not None]
