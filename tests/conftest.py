@@ -16,6 +16,15 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("nightly", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# scripts/mutation: the same examples for every mutant, so a score does not move between runs.
+settings.register_profile(
+    "mutation",
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 # Inside the Soft-RoCE guest everything runs 25-45x slower: a few examples prove the property there.
 settings.register_profile(
     "guest", max_examples=5, deadline=None, database=None, suppress_health_check=list(HealthCheck)

@@ -107,3 +107,49 @@ def test_deregistration_racing_writes_never_writes_after_it_returns(pairs: PairF
         assert sts[ok + 1 :] == [WcStatus.WR_FLUSH_ERR] * (n - ok - 1), sts
     for i in range(ok):  # what completed had landed before deregistration returned
         assert np.array_equal(snapshot[i * chunk : (i + 1) * chunk], pair.a.buf[i * chunk : (i + 1) * chunk])
+
+
+# (offset from the region's start, length, allowed): the exact edges of a region of EDGE bytes.
+EDGE = 1024
+EDGES = {
+    "starts-at-start": (0, 64, True),
+    "ends-at-end": (EDGE - 64, 64, True),
+    "whole-region": (0, EDGE, True),
+    "one-byte-before-start": (-1, 64, False),
+    "ends-one-byte-past-end": (EDGE - 63, 64, False),
+    "starts-at-end": (EDGE, 1, False),
+    "whole-region-shifted-one-byte": (1, EDGE, False),
+}
+
+
+@pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
+@pytest.mark.parametrize("edge", list(EDGES))
+def test_requests_at_the_exact_edges_of_a_region(pairs: PairFactory, edge: str, op: Opcode) -> None:
+    """A request inside a region up to its last byte moves exactly its bytes; one that reaches a single
+    byte before or past it completes REM_ACCESS_ERR and changes no byte. The region sits inside a
+    larger buffer, so the bytes around it are canaries a wrong check would touch."""
+    offset, length, allowed = EDGES[edge]
+    pair = pairs()
+    arena = random_bytes(3 * EDGE, 5)
+    region = pair.b.register(arena[EDGE : 2 * EDGE], Access.all())
+    pair.a.buf[:length] = random_bytes(length, 6)
+    before_arena, before_a = arena.copy(), pair.a.buf.copy()
+
+    (wc,) = pair.run([pair.wr(0, op, [(0, length)], 0, rkey=region.rkey, remote_addr=region.addr + offset)])
+
+    if not allowed:
+        assert wc.status is WcStatus.REM_ACCESS_ERR
+        time.sleep(0.05)  # nothing may still be on its way
+        assert digest(arena) == digest(before_arena), "a rejected request changed the target"
+        assert digest(pair.a.buf) == digest(before_a), "a rejected read changed the initiator"
+        return
+    assert wc.status is WcStatus.SUCCESS
+    lo = EDGE + offset
+    expected = before_arena.copy()
+    if op is W:
+        expected[lo : lo + length] = pair.a.buf[:length]
+        assert digest(arena) == digest(expected)
+    else:
+        assert digest(arena) == digest(before_arena), "a read changed the target"
+        assert np.array_equal(pair.a.buf[:length], arena[lo : lo + length])
+        assert digest(pair.a.buf[length:]) == digest(before_a[length:])

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+from collections import deque
 
 import pytest
 
 from moriio_async.aio.cq_reader import CompletionReader
+from moriio_async.backends.base import CompletionQueue
 from moriio_async.backends.tcp.cq import TcpCompletionQueue
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import WorkCompletion
@@ -67,6 +70,88 @@ async def test_completions_racing_the_rearm_are_never_missed() -> None:
     stats = reader.statistics()
     assert stats.completions == total and not stats.fallback_polling
     assert stats.wakeups < total  # batched: one wakeup resolves many
+
+
+class LateQueue(CompletionQueue):
+    """A completion queue kept exactly by the contract in backends/base.py (an eventfd channel: after
+    ``req_notify`` the next completion added makes it readable, once), whose ``poll`` lands one of
+    ``late`` the moment it has found the queue empty: just after a reader's last empty poll and before
+    its callback returns, the window the reader's order (get event, re-arm, then poll) must cover."""
+
+    def __init__(self) -> None:
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._armed = False
+        self._entries: deque[WorkCompletion] = deque()
+        self.late: list[WorkCompletion] = []
+        self.landed: list[int] = []
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def req_notify(self) -> None:
+        self._armed = True
+
+    def get_event(self) -> bool:
+        try:
+            os.eventfd_read(self._fd)
+        except BlockingIOError:
+            return False
+        return True
+
+    def add(self, completion: WorkCompletion) -> None:
+        self._entries.append(completion)
+        if self._armed:
+            self._armed = False
+            os.eventfd_write(self._fd, 1)
+
+    def poll(self, max_entries: int = 64) -> list[WorkCompletion]:
+        out = [self._entries.popleft() for _ in range(min(max_entries, len(self._entries)))]
+        if not out and self.late:
+            # The caller is told "empty"; the NIC adds a completion before the caller does anything else.
+            late = self.late.pop(0)
+            self.landed.append(late.wr_id)
+            self.add(late)
+        return out
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@pytest.mark.parametrize("window", ["wakeup", "start"])
+async def test_a_completion_landing_after_the_last_empty_poll_is_delivered(window: str) -> None:
+    """A completion that lands right after the reader's last empty poll, before its callback ends (or,
+    at start, before start() returns), is delivered by the reader alone: no drain from outside, no
+    timer. With the order get event, poll, re-arm (or poll before the first arm) it raises no event
+    and is never seen."""
+    loop = asyncio.get_running_loop()
+    cq = LateQueue()
+    got: list[int] = []
+    both = loop.create_future()
+
+    def dispatch(wcs: list[WorkCompletion]) -> None:
+        got.extend(w.wr_id for w in wcs)
+        if len(got) == 2 and not both.done():
+            both.set_result(None)
+
+    reader = CompletionReader(loop, cq, dispatch)
+    try:
+        if window == "start":
+            cq.late = [wc(0), wc(1)]  # start()'s drain finds the queue empty: 0 lands, then 1 on the next
+            reader.start()
+        else:
+            reader.start()
+            cq.late = [wc(1)]
+            cq.add(wc(0))  # wakes the reader: it polls 0, then the empty poll lands 1
+        try:
+            await asyncio.wait_for(both, 5)
+        except TimeoutError:
+            pytest.fail(f"completions {cq.landed} landed after an empty poll; the reader delivered only {got}")
+        assert got == [0, 1]
+        assert cq.late == [] and cq.landed == ([0, 1] if window == "start" else [1])
+        assert reader.statistics().completions == 2
+    finally:
+        reader.close()
+        cq.close()
 
 
 async def test_polling_before_arming_would_miss_a_completion() -> None:

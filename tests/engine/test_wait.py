@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import anyio
 import pytest
@@ -170,3 +171,57 @@ async def test_the_deadline_drains_each_engine_once_however_many_transfers_wait(
     assert held.a.statistics()["drains"] == before + 1
     nic(held).step(50)
     await waiting_for_transfer_complete(ts, timeout=5)
+
+
+@pytest.mark.parametrize("fail_fast", [False, True])
+@pytest.mark.parametrize("failure", ["none", "in the cq", "known"])
+async def test_timeout_zero_with_transfers_pending_raises_at_once(held: Pair, failure: str, fail_fast: bool) -> None:
+    """timeout=0 is a deadline that has already passed, not "no deadline": with transfers pending the
+    wait raises at once with every pending transfer timed out, and those go on. A failure still in the
+    completion queue is found by the wait's drain and listed as what it is; a fail_fast wait that knew
+    of a failure before it began lists that failure only."""
+    ts = [held.session.read(i, i, 1) for i in range(5)]
+    qp = nic(held)
+    qp.step(1)
+    if failure != "none":
+        qp.fail_next(WcStatus.REM_ACCESS_ERR)
+        qp.step(1)  # the rest stay held: pending, on a pair now in error
+    if failure == "known":
+        with pytest.raises(TransferFailed):
+            await ts[1]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(TransferError) as info:
+        async with asyncio.timeout(5):  # a wait that took 0 for "no deadline" would hang here
+            await waiting_for_transfer_complete(ts, timeout=0, fail_fast=fail_fast)
+    assert loop.time() - start < 1.0
+    pending = ts[1:] if failure == "none" else ts[2:]
+    assert ts[0].Succeeded()
+    assert [e.transfer_id for e in info.value.failed] == ([] if failure == "none" else [ts[1].id])
+    timed_out = [] if failure == "known" and fail_fast else [t.id for t in pending]
+    assert [e.transfer_id for e in info.value.timed_out] == timed_out
+    assert all(e.timeout == 0 for e in info.value.timed_out)
+    assert info.value.total == 5
+    assert held.a.outstanding == len(pending)
+    qp.step(len(pending))
+    with pytest.raises(TransferError) if failure != "none" else contextlib.nullcontext():
+        await waiting_for_transfer_complete(ts, timeout=5)
+    assert held.a.outstanding == 0
+
+
+async def test_a_transfer_given_twice_is_listed_once(held: Pair) -> None:
+    """The same transfer passed to waiting_for_transfer_complete more than once is one transfer: it is
+    listed once in the error, and the total counts distinct transfers."""
+    ok, bad, slow, idle = (held.session.read(i, i, 1) for i in range(4))
+    qp = nic(held)
+    qp.step(1)
+    qp.fail_next(WcStatus.REM_ACCESS_ERR)
+    qp.step(1)  # slow and idle stay held
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete([bad, slow, ok, bad, slow, bad, idle, ok], timeout=0.05)
+    err = info.value
+    assert [e.transfer_id for e in err.failed] == [bad.id]
+    assert [e.transfer_id for e in err.timed_out] == [slow.id, idle.id]
+    assert err.total == 4
+    assert str(err).startswith("3/4 transfers failed:")
+    assert len(str(err).splitlines()) == 1 + 3

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from moriio_async import Transfer, TransferError, WcStatus, waiting_for_transfer_complete
+from moriio_async import MemoryInUse, Transfer, TransferError, WcStatus, waiting_for_transfer_complete
 
 from ..engine.conftest import make_pair
 from .clock import VirtualClock
@@ -57,6 +57,10 @@ class Scenario:
     extra_depth: int = 0
     settle: bool = False
     """Let the reader see the ``first`` steps before the wait begins (transfers already ended)."""
+    zero: bool = False
+    """Wait with ``timeout=0``: a deadline already passed, not "no deadline"."""
+    repeat: tuple[int, ...] = ()
+    """Transfers (by index) given to the wait a second time: each must still count once."""
 
 
 scenarios = st.builds(
@@ -70,6 +74,8 @@ scenarios = st.builds(
     t_real=st.floats(0.02, 0.06),
     extra_depth=st.integers(0, 8),
     settle=st.booleans(),
+    zero=st.sampled_from([False, False, False, True]),
+    repeat=st.lists(st.integers(0, 5), max_size=4).map(tuple),
 )
 
 
@@ -89,6 +95,10 @@ class Result:
     """Some transfer had already failed when the wait began."""
     last_step: float
     """Loop time of the last NIC step that ran before the wait ended (or its start)."""
+    outstanding: int
+    """The engine's count of unended transfers the moment the wait returned or raised."""
+    refused_deregistration: bool
+    """Deregistering the local buffer then raised MemoryInUse (tried only while some transfer ran)."""
     final: dict[int, WcStatus | None] = field(default_factory=dict)
     expected_final: dict[int, WcStatus | None] = field(default_factory=dict)
 
@@ -115,7 +125,7 @@ async def run(sc: Scenario) -> Result:
     )
     try:
         with VirtualClock(loop) as clock:
-            timeout = sc.t_virtual if clock.virtual else sc.t_real
+            timeout = 0.0 if sc.zero else sc.t_virtual if clock.virtual else sc.t_real
             ts = post_batch(p.session, sc.wrs)
             qp = held_qp(p.session)
             model = HeldModel(sc.wrs)
@@ -136,17 +146,40 @@ async def run(sc: Scenario) -> Result:
             start = loop.time()
             handles = [loop.call_at(start + t.offset(timeout, clock.virtual), act, t.step) for t in sc.timed]
             error = None
+            given = ts + [ts[i % len(ts)] for i in sc.repeat]
             try:
-                await waiting_for_transfer_complete(ts, timeout=timeout, fail_fast=sc.fail_fast)
+                # The guard turns a wait that ignores its deadline into a failure instead of a hang.
+                async with asyncio.timeout(timeout + 5):
+                    await waiting_for_transfer_complete(given, timeout=timeout, fail_fast=sc.fail_fast)
             except TransferError as exc:
                 error = exc
             end = loop.time()
             at_return = {t.id: observed(t) for t in ts}
+            outstanding = a.outstanding
+            refused = False
+            if not all(t.done() for t in ts):
+                try:
+                    a.deregister_memory(p.desc_a)
+                except MemoryInUse:
+                    refused = True
             expected = {t.id: model.outcome(i) for i, t in enumerate(ts)}
             for h in handles:
                 h.cancel()
         last_step = max([start, *acted])
-        result = Result(ts, timeout, start, end, clock.virtual, error, at_return, expected, failed_before, last_step)
+        result = Result(
+            ts,
+            timeout,
+            start,
+            end,
+            clock.virtual,
+            error,
+            at_return,
+            expected,
+            failed_before,
+            last_step,
+            outstanding,
+            refused,
+        )
         # A timeout is not a cancellation: the rest still runs, and waiting again gives real outcomes.
         act(NicStep("run", total))
         with contextlib.suppress(TransferError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moriio_async import Access, MemoryDesc, TransferError, WcStatus, waiting_for_transfer_complete
@@ -71,7 +71,27 @@ requests = st.lists(
 )
 
 
+EDGE = RegionSpec(1024, 2048, Access.all(), True)
+"""A region with canary bytes on both sides, for the explicit edge examples."""
+
+
+def edges(write: bool) -> list[Request]:
+    """Requests at a region's edges: ending exactly at its end, one byte past it, starting at its end,
+    starting at its start, one byte before it, and the whole region."""
+    return [
+        Request(write, 0, True, -64, 64, "own"),  # end == length: allowed
+        Request(write, 0, True, -63, 64, "own"),  # end == length + 1
+        Request(write, 0, True, 0, 1, "own"),  # offset == length
+        Request(write, 0, False, 0, 64, "own"),  # offset == 0: allowed
+        Request(write, 0, False, -1, 64, "own"),  # offset == -1
+        Request(write, 0, False, 0, EDGE.length, "own"),  # the whole region: allowed
+        Request(write, 0, False, 1, EDGE.length, "own"),  # the whole region, shifted one byte past its end
+    ]
+
+
 @settings(max_examples=slow_examples(30))
+@example(specs=[EDGE], reqs=edges(write=True))
+@example(specs=[EDGE], reqs=edges(write=False))
 @given(regions, requests)
 @backends()
 async def test_the_target_touches_only_live_regions_in_range_with_matching_access(

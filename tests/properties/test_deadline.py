@@ -49,7 +49,8 @@ async def test_error_lists_exactly_what_had_not_succeeded_at_the_deadline(sc: Sc
     """The TransferError lists exactly the transfers that had not succeeded when the wait ended: each
     in exactly one of .failed (with its real status) or .timed_out; a transfer that succeeded never
     appears; a completion already in the CQ at the deadline counts as what it is, not as a timeout;
-    and the timed-out transfers go on, so waiting again gives their real outcomes."""
+    and the timed-out transfers go on, so waiting again gives their real outcomes. A transfer given to
+    the wait twice is still one transfer. A timeout of 0 is a deadline already passed."""
     r = await run(sc)
     # What the runtime says at the moment the wait ended is what the NIC had done by then.
     assert r.at_return == r.expected
@@ -73,6 +74,9 @@ async def test_error_lists_exactly_what_had_not_succeeded_at_the_deadline(sc: Sc
         assert len(err.exceptions) == len(got_failed) + len(got_timed_out)
         assert err.total == len(r.transfers)
         assert str(err).startswith(f"{len(err.exceptions)}/{len(r.transfers)} transfers failed:")
+    # Timed-out transfers still run: they stay counted, and their buffers stay pinned until they end.
+    assert r.outstanding == len(pending)
+    assert r.refused_deregistration == bool(pending), "a transfer that had not ended let its buffer go"
     assert r.final == r.expected_final
     assert all(s is not None for s in r.final.values())
 

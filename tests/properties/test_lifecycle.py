@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -11,7 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moriio_async import MemoryInUse, Transfer, TransferError, TransferFailed, WcStatus, waiting_for_transfer_complete
+from moriio_async import (
+    InvalidArgument,
+    MemoryInUse,
+    Transfer,
+    TransferError,
+    TransferFailed,
+    WcStatus,
+    waiting_for_transfer_complete,
+)
 
 from .clock import VirtualClock
 from .conftest import needs_held_mock
@@ -73,6 +82,53 @@ async def test_every_transfer_ends_exactly_once_and_abort_leaves_nothing_held(
         assert again.Succeeded()
         assert ends == Counter(t.id for t in ts)
         p.a.deregister_memory(p.desc_a)  # no pins left: must not raise
+
+
+@given(requests_per_transfer, st.lists(nic_steps, max_size=4), st.booleans(), st.booleans())
+async def test_a_timed_out_transfer_keeps_its_buffers_pinned_until_it_ends(
+    wrs: list[int], before: list[NicStep], silent: bool, fail_fast: bool
+) -> None:
+    """A transfer a wait called timed out has not ended: it stays counted and its buffers stay pinned,
+    so deregister_memory refuses with MemoryInUse and release_memory waits, until the last such
+    transfer ends; then release_memory deregisters the buffer."""
+    loop = asyncio.get_running_loop()
+    async with held_pair(silent=silent, sq_depth=sum(wrs)) as p:
+        ts = post_batch(p.session, wrs)
+        qp = held_qp(p.session)
+        for step in before:
+            step.apply(qp)
+        with VirtualClock(loop) as clock:
+            try:
+                await waiting_for_transfer_complete(ts, timeout=5 if clock.virtual else 0.02, fail_fast=fail_fast)
+            except TransferError as exc:
+                timed_out = [e.transfer_id for e in exc.timed_out]
+            else:
+                timed_out = []
+            pending = [t for t in ts if not t.done()]
+            # (A fail_fast wait that ended at a failure calls nothing timed out; the rest run all the same.)
+            assert timed_out == [t.id for t in pending] or (fail_fast and not timed_out)
+            assert p.a.outstanding == len(pending)
+            if not pending:
+                return
+            with pytest.raises(MemoryInUse):
+                p.a.deregister_memory(p.desc_a)
+            release = loop.create_task(p.a.release_memory(p.desc_a))
+            await settle()
+            # Everything but the last request runs: the last timed-out transfer still holds the buffer.
+            qp.step(qp.held - 1)
+            with contextlib.suppress(TransferError):
+                await waiting_for_transfer_complete(ts, timeout=0.01)  # drains a silent queue too
+            assert [t for t in ts if not t.done()] == pending[-1:]
+            assert not release.done(), "release_memory returned while a timed-out transfer still ran"
+            with pytest.raises(MemoryInUse):
+                p.a.deregister_memory(p.desc_a)
+            qp.step(1)
+            with contextlib.suppress(TransferError):
+                await waiting_for_transfer_complete(ts, timeout=0.01)
+            assert all(t.done() for t in ts) and p.a.outstanding == 0
+            await asyncio.wait_for(release, 5)
+        with pytest.raises(InvalidArgument):
+            p.a.deregister_memory(p.desc_a)  # release_memory deregistered it
 
 
 def _cancel_task(aw: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
