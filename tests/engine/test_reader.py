@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 from moriio_async.aio.cq_reader import CompletionReader
-from moriio_async.backends.tcp.cq import TcpCompletionQueue
+from moriio_async.backends.softcq import SoftCompletionQueue
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import WorkCompletion
 
@@ -20,7 +20,7 @@ class NoSlots:
         pass
 
 
-class Queue(TcpCompletionQueue):
+class Queue(SoftCompletionQueue):
     """The software NIC's completion queue, fed directly by the test."""
 
     def __init__(self) -> None:

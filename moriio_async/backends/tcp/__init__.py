@@ -11,8 +11,8 @@ completion), ``sender`` and ``receiver`` (the active side's two threads),
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..softcq import SoftCompletionQueue as TcpCompletionQueue
 from .backend import TcpBackend
-from .cq import TcpCompletionQueue
 from .hooks import Fault, Hooks
 from .qp import TcpQueuePair
 from .regions import TcpRegion

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from ...errors import BackendUnavailable, EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
-from .cq import TcpCompletionQueue
+from ..softcq import SoftCompletionQueue as TcpCompletionQueue
 from .hooks import Hooks
 from .qp import MAX_SEND_WR, MAX_SGE, TcpQueuePair
 from .regions import RegionTable

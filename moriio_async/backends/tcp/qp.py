@@ -30,7 +30,7 @@ from ...errors import ControlPlaneError, InvalidArgument, PeerError
 from ...status import Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion, WorkRequest
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
-from .cq import TcpCompletionQueue
+from ..softcq import SoftCompletionQueue as TcpCompletionQueue
 from .hooks import Hooks
 from .receiver import recv_loop
 from .regions import RegionTable, TcpRegion
