@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..base import Backend, BackendOptions
 from ..softcq import SoftCompletionQueue as TcpCompletionQueue
 from .backend import TcpBackend
+from .faults import PlanHooks
 from .hooks import Fault, Hooks
 from .qp import TcpQueuePair
 from .regions import TcpRegion
@@ -21,6 +22,7 @@ from .wire import VendorErr
 __all__ = [
     "Fault",
     "Hooks",
+    "PlanHooks",
     "TcpBackend",
     "TcpCompletionQueue",
     "TcpQueuePair",

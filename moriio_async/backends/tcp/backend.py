@@ -22,6 +22,7 @@ from ...errors import BackendUnavailable, EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
 from ..softcq import SoftCompletionQueue as TcpCompletionQueue
+from .faults import hooks_from
 from .hooks import Hooks
 from .qp import MAX_SEND_WR, MAX_SGE, TcpQueuePair
 from .regions import RegionTable
@@ -39,8 +40,8 @@ class TcpBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
-        self.hooks: Hooks | None = None
-        """Fault-injection hooks given to queue pairs created from now on (see ``hooks.py``)."""
+        self.hooks: Hooks | None = hooks_from(options.extra)
+        """Fault-injection hooks given to every queue pair (``extra={"hooks": ...}`` or ``{"fault_plan": ...}``)."""
         self.regions = RegionTable()
         self._lock = threading.Lock()
         self._closed = False
