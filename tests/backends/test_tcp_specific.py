@@ -139,20 +139,23 @@ def test_peer_progress_sees_acknowledged_bytes() -> None:
 def test_doorbell_writes_the_socket_would_not_take_finish_on_the_sender(
     pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """post_send writes small requests itself (MSG_DONTWAIT); a partial write is finished by the sender thread."""
+    """post writes small requests itself (MSG_DONTWAIT); a partial write is finished by the sender thread."""
     from moriio_async.backends.tcp import qp, sender
+    from moriio_async.backends.tcp.pairstate import PairState
 
     partial = []
 
-    def counting(q: TcpQueuePair, sock: socket.socket) -> None:
-        sender.send_inline(q, sock)
-        partial.append(q.tx_pending is not None)
+    def counting(st: PairState, sock: socket.socket) -> None:
+        sender.ring(st, sock)
+        partial.append(st.tx_pending is not None)
 
-    monkeypatch.setattr(qp, "send_inline", counting)
+    monkeypatch.setattr(qp, "ring", counting)
     pair = pairs(8 << 20, 8 << 20, sq_depth=64)
     active = pair.a.qp
     assert isinstance(active, TcpQueuePair)
-    active._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # type: ignore[union-attr]
+    sock = active.pair_state.sock
+    assert sock is not None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     pair.a.buf[:] = np.random.default_rng(3).integers(0, 256, len(pair.a.buf), dtype=np.uint8)
     chunk, n, done = 40 << 10, 200, 0
     posted = 0

@@ -15,14 +15,21 @@ from __future__ import annotations
 import ctypes
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 from ...errors import InvalidArgument
 from ...status import Access, Opcode
 from ..base import MemoryRegion
 from .wire import VendorErr
 
-__all__ = ["RegionTable", "TcpRegion"]
+__all__ = ["Checked", "RegionTable", "TcpRegion", "unpin_all"]
+
+U32 = npt.NDArray[np.uint32]
+U64 = npt.NDArray[np.uint64]
 
 
 @dataclass(eq=False, slots=True)
@@ -120,28 +127,105 @@ class RegionTable:
         for region in regions:
             region.kill()
 
-    def check_remote(self, opcode: int, rkey: int, addr: int, length: int) -> TcpRegion | VendorErr:
-        """The target's checks; success gives the region, already pinned (``addr`` is inside it)."""
-        region = self.by_rkey.get(rkey)
-        if region is None:
-            return VendorErr.UNKNOWN_RKEY
-        offset = addr - region.addr
-        if offset < 0 or offset + length > region.length:
-            return VendorErr.REMOTE_OUT_OF_BOUNDS
-        if not (region.can_remote_write if opcode == Opcode.RDMA_WRITE else region.can_remote_read):
-            return VendorErr.REMOTE_NO_ACCESS
-        if not region.pin():
-            return VendorErr.REMOTE_DEREGISTERED
-        return region
+    def check_local(self, lkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
+        """The initiator's checks on local SGEs (``write``: the NIC writes them, as a READ does). Pins nothing."""
+        return _check(self.by_lkey, lkeys, addrs, lengths, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
+                      VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
 
-    def check_local(self, lkey: int, addr: int, length: int, write: bool) -> TcpRegion | VendorErr:
-        """The initiator's checks for one SGE (``write``: the NIC writes it, as a READ does). Pins nothing."""
-        region = self.by_lkey.get(lkey)
-        if region is None or not region.live:
-            return VendorErr.UNKNOWN_LKEY
-        offset = addr - region.addr
-        if offset < 0 or length < 0 or offset + length > region.length:
-            return VendorErr.LOCAL_OUT_OF_BOUNDS
-        if write and not region.can_local_write:
-            return VendorErr.LOCAL_NO_ACCESS
-        return region
+    def check_remote(self, opcode: int, rkeys: U32, addrs: U64, lengths: U64) -> Checked:
+        """The target's checks on a chunk's remote ranges, with the regions of the requests before
+        the first failure pinned (one deregistered meanwhile fails there as REMOTE_DEREGISTERED)."""
+        write = opcode == Opcode.RDMA_WRITE
+        allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
+        checked = _check(self.by_rkey, rkeys, addrs, lengths, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
+                         VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
+        checked.pin(VendorErr.REMOTE_DEREGISTERED)
+        return checked
+
+
+@dataclass(slots=True)
+class Checked:
+    """Blocks checked at once: the first that failed (``first_bad``; their count when none did)
+    and why; block ``i`` lies in ``found[which[i]]``; ``pinned`` is what ``pin`` holds."""
+
+    first_bad: int
+    vendor: VendorErr
+    found: list[TcpRegion | None]
+    which: npt.NDArray[np.intp]
+    pinned: list[TcpRegion] = field(default_factory=list)
+
+    def used(self) -> list[tuple[int, TcpRegion]]:
+        """The regions (with their index in ``found``) that the blocks before the first failure use."""
+        if not self.first_bad:
+            return []
+        js = [0] if len(self.found) == 1 else np.unique(self.which[: self.first_bad]).tolist()
+        return [(j, r) for j in js if (r := self.found[j]) is not None]
+
+    def pin(self, dead: VendorErr) -> None:
+        """Pin every region in use; a region deregistered since the lookup fails the first block
+        that uses it with ``dead``, and what lies beyond that block is not pinned."""
+        for j, region in self.used():
+            if region.pin():
+                self.pinned.append(region)
+                continue
+            first_use = int(np.argmax(self.which == j)) if len(self.found) > 1 else 0
+            if first_use < self.first_bad:
+                self.first_bad, self.vendor = first_use, dead
+        if self.pinned and len(self.pinned) != len(still := self.used()):
+            keep = {id(r) for _, r in still}
+            for region in [r for r in self.pinned if id(r) not in keep]:
+                region.unpin()
+            self.pinned = [r for r in self.pinned if id(r) in keep]
+
+    def unpin(self) -> None:
+        unpin_all(self.pinned)
+
+
+def unpin_all(regions: list[TcpRegion]) -> None:
+    for region in regions:
+        region.unpin()
+    regions.clear()
+
+
+def _check(
+    table: dict[int, TcpRegion],
+    keys: U32,
+    addrs: U64,
+    lengths: U64,
+    unknown: VendorErr,
+    out_of_bounds: VendorErr,
+    no_access: VendorErr,
+    allowed: Callable[[TcpRegion], bool],
+) -> Checked:
+    """Key to region, bounds and access for every block with a few array operations and one
+    dict lookup per distinct key (usually one)."""
+    n = len(keys)
+    if n == 1 or (n and bool((keys == keys[0]).all())):
+        found = [table.get(int(keys[0]))]
+        which = np.zeros(n, dtype=np.intp)
+    elif n:
+        uniq, which = np.unique(keys, return_inverse=True)
+        found = [table.get(k) for k in uniq.tolist()]
+    else:
+        return Checked(0, VendorErr.NONE, [], np.zeros(0, np.intp))
+    codes = [unknown if r is None else VendorErr.NONE if allowed(r) else no_access for r in found]
+    base: U64 | np.uint64
+    size: U64 | np.uint64
+    region_bad: npt.NDArray[np.bool_] | bool
+    if len(found) == 1:
+        only = found[0]
+        base, size = (np.uint64(0), np.uint64(0)) if only is None else (np.uint64(only.addr), np.uint64(only.length))
+        region_bad = codes[0] != VendorErr.NONE
+    else:
+        base = np.array([0 if r is None else r.addr for r in found], dtype=np.uint64)[which]
+        size = np.array([0 if r is None else r.length for r in found], dtype=np.uint64)[which]
+        region_bad = np.array([c != VendorErr.NONE for c in codes], dtype=np.bool_)[which]
+    offset = addrs - base  # wraps for addresses below the region: those fail addrs >= base
+    inside = (addrs >= base) & (offset <= size) & (lengths <= size - offset)
+    bad = ~inside | region_bad
+    first = int(np.argmax(bad)) if bool(bad.any()) else n
+    vendor = VendorErr.NONE
+    if first < n:
+        code = codes[int(which[first])]
+        vendor = unknown if code == unknown else out_of_bounds if not bool(inside[first]) else code
+    return Checked(first, vendor, found, which)

@@ -1,207 +1,217 @@
-"""The active side's sender: posted requests onto the wire, in order.
+"""The active side's sender: posted requests framed as chunks and written to the socket, in order.
 
-The sender thread takes posted requests in order, checks their local SGEs,
-and writes each as one header plus (for a WRITE) the source memoryviews,
-batching several requests into one ``sendmsg``; the call blocks with the GIL
-released, so the copy into the kernel runs beside the event loop.
+A round takes the next chunks from the pair state (``PairState.take_locked``),
+checks their local SGEs with a few array operations, frames every chunk's
+header and descriptors into one buffer (column-wise), and writes headers and
+WRITE payloads with one ``sendmsg`` per up to ``IOV_MAX`` blocks straight from
+the registered buffers (``iov.py``); the call blocks with the GIL released.
 
-The doorbell: when the sender is idle, ``post_send`` writes READs and small
-WRITEs to the socket itself (``send_inline``, never blocking), which saves a
-thread wakeup and a GIL hand-off per post; ``tx_lock`` orders the two writers,
-and what the socket does not take at once is finished by the sender thread.
+The doorbell: when the sender is idle, ``post`` writes READs and small WRITEs
+to the socket itself (``ring``, never blocking), which saves a thread wakeup
+and a GIL hand-off per post; ``tx_lock`` orders the two writers, and what the
+socket does not take at once is finished by the sender thread.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import struct
+from dataclasses import dataclass
+
+import numpy as np
 
 from ...status import WcStatus
 from ..base import QpState
 from .hooks import Fault
-from .regions import TcpRegion
-from .wire import FLAG_ACK, REQUEST, PeerGone, VendorErr, advance, send_all
+from .iov import Iov, address, advance, iovecs, send_all, sendmsg
+from .pairstate import Chunk, PairState, PendingWrite
+from .regions import Checked
+from .wire import CHUNK, DESC, PeerGone, VendorErr
 
-if TYPE_CHECKING:
-    from .qp import Entry, TcpQueuePair
+__all__ = ["INLINE_BYTES", "ROUND_BYTES", "Drop", "Round", "next_round", "ring", "send_loop"]
 
-__all__ = ["send_inline", "send_loop"]
+ROUND_BYTES = 4 << 20
+"""WRITE payload per round: one round's completions and slot releases are not held back by a huge one."""
+INLINE_BYTES = 64 << 10
+"""WRITE payload a post may send itself (on the poster's thread)."""
 
-IOV_LIMIT = 1000  # below IOV_MAX (1024): one sendmsg carries a whole batch
-BATCH_BYTES = 4 << 20
-
+_DESC1 = struct.Struct("<IIQQ")  # one descriptor, for single-request chunks (no array work)
 _RTS = QpState.RTS
+Presets = dict[int, tuple[int, WcStatus, int]]
 
 
-def _resolve(qp: TcpQueuePair, e: Entry, pinned: list[TcpRegion]) -> VendorErr | None:
-    """Check ``e``'s SGEs against the local regions and slice their views.
-
-    A WRITE's regions are pinned here (into ``pinned``) for the send; a READ's
-    are pinned by the receiver while the response payload is written.
-    """
-    check = qp.regions.check_local
-    nic_writes = e.is_read
-    views = e.views
-    for sge in e.wr.sges:
-        region = check(sge.lkey, sge.addr, sge.length, nic_writes)
-        if isinstance(region, VendorErr):
-            return region
-        if not nic_writes:
-            if not region.pin():
-                return VendorErr.LOCAL_DEREGISTERED
-            pinned.append(region)
-        offset = sge.addr - region.addr
-        views.append(region.view[offset : offset + sge.length])
-        e.regions.append(region)
-    return None
-
-
-def _take_batch(qp: TcpQueuePair) -> list[Entry]:
-    """The next requests to send, in order (the caller holds ``tx_lock``); maybe none."""
-    with qp.lock:
-        to_send = qp.to_send
-        batch: list[Entry] = []
-        niov = nbytes = 0
-        while to_send and nbytes < BATCH_BYTES:
-            e = to_send[0]
-            k = 1 + len(e.wr.sges)
-            if batch and niov + k > IOV_LIMIT:
-                break
-            batch.append(to_send.popleft())
-            niov += k
-            nbytes += 0 if e.is_read else e.length  # bytes this side sends
-        return batch
-
-
-def _build(
-    qp: TcpQueuePair,
-    batch: list[Entry],
-    pinned: list[TcpRegion],
-    preset: Callable[[Entry, WcStatus, int], None],
-) -> tuple[list[bytes | memoryview], int, bool]:
-    """The gather list for ``batch``: headers and WRITE payload views; and whether sending stops here.
-
-    Raises _Drop when a fault hook cuts the connection.
-    """
-    hooks = qp.hooks
-    pack = REQUEST.pack
-    iov: list[bytes | memoryview] = []
-    total = 0
-    last, last_at = batch[0], 0
-    stop = False
-    for e in batch:
-        wr = e.wr
-        if hooks is not None:
-            verdict = hooks.on_send(qp.qp_num, wr)
-            if verdict is Fault.DROP:
-                raise _Drop
-            if isinstance(verdict, WcStatus):
-                preset(e, verdict, 0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
-                if verdict is not WcStatus.SUCCESS:
-                    stop = True
-                    break
-                continue
-        err = _resolve(qp, e, pinned)
-        if err is not None:
-            # Requests before it still go out and complete first; nothing after it is sent.
-            preset(e, WcStatus.LOC_PROT_ERR, err)
-            stop = True
-            break
-        e.sent = True
-        # A successful WRITE is acknowledged only when signaled (or hooked, so
-        # on_response sees every request); the target runs requests in order,
-        # so a later response vouches for it, and a failure is always answered.
-        e.acked = e.is_read or wr.signaled or hooks is not None
-        last, last_at = e, len(iov)
-        iov.append(pack(wr.opcode, FLAG_ACK if e.acked else 0, 0, e.seq, wr.rkey, 0, wr.remote_addr, e.length))
-        total += REQUEST.size
-        if not e.is_read:
-            iov.extend(e.views)
-            total += e.length
-    if iov and not last.acked:
-        # The batch's last request is always answered: then every request on the
-        # wire has a response coming after it, which the receiver's silence
-        # timeout (a dead peer) relies on.
-        last.acked = True
-        wr = last.wr
-        iov[last_at] = pack(wr.opcode, FLAG_ACK, 0, last.seq, wr.rkey, 0, wr.remote_addr, last.length)
-    return iov, total, stop
-
-
-class _Drop(Exception):
+class Drop(Exception):
     """A fault hook asked to cut the connection."""
 
 
-def send_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
+@dataclass
+class Round:
+    """One write to the socket: headers and payloads as an iovec list, and what must stay alive."""
+
+    iov: Iov
+    total: int
+    pinned: list[Checked]
+    heads: np.ndarray  # the chunk headers the iovecs point at
+
+    def unpin(self) -> None:
+        for checked in self.pinned:
+            checked.unpin()
+        self.pinned.clear()
+
+
+def _check(st: PairState, chunks: list[Chunk]) -> tuple[list[tuple[Chunk, int, int, int]], list[Checked], Presets]:
+    """Hooks and local checks: what goes on the wire (chunk, hi, first SGE, end SGE), the pins
+    held for WRITE payloads, and the requests that get their outcome without the wire."""
+    hooks = st.hooks
+    out: list[tuple[Chunk, int, int, int]] = []
+    pinned: list[Checked] = []
+    presets: Presets = {}
+    for k, chunk in enumerate(chunks):
+        batch, lo, hi = chunk.batch, chunk.lo, chunk.hi
+        if hooks is not None:  # a hooked pair's chunks hold one request
+            verdict = hooks.on_send(st.qp_num, batch.request(lo))
+            if verdict is Fault.DROP:
+                for checked in pinned:
+                    checked.unpin()
+                raise Drop
+            if isinstance(verdict, WcStatus):
+                presets[k] = (lo, verdict, 0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
+                if verdict is not WcStatus.SUCCESS:
+                    break
+                continue
+        starts = batch.sge_start
+        a, b = int(starts[lo]), int(starts[hi])
+        checked = st.regions.check_local(
+            batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b], write=chunk.is_read
+        )
+        if not chunk.is_read:
+            checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
+            pinned.append(checked)
+        else:
+            chunk.local = checked
+        if checked.first_bad < b - a:
+            # Requests before it still go out and complete first; nothing after it is sent.
+            bad = lo + int(np.searchsorted(starts[lo : hi + 1], a + checked.first_bad, side="right")) - 1
+            presets[k] = (bad, WcStatus.LOC_PROT_ERR, checked.vendor)
+            if bad > lo:
+                out.append((chunk, bad, a, int(starts[bad])))
+            break
+        out.append((chunk, hi, a, b))
+    return out, pinned, presets
+
+
+def _frame(out: list[tuple[Chunk, int, int, int]]) -> tuple[Iov, int, np.ndarray]:
+    """One buffer of chunk headers and descriptors, and the iovec list: each header followed by
+    its WRITE payload blocks. READ chunks keep their scatter list for the receiver."""
+    head_bytes = sum(CHUNK.size + DESC.itemsize * (hi - c.lo) for c, hi, _a, _b in out)
+    rows = sum(1 + (0 if c.is_read else b - a) for c, _hi, a, b in out)
+    heads = np.empty(head_bytes, dtype=np.uint8)
+    iov = iovecs(rows)
+    base = address(heads)
+    hv = heads.data
+    off = row = 0
+    total = head_bytes
+    for chunk, hi, a, b in out:
+        batch, lo = chunk.batch, chunk.lo
+        m = hi - lo
+        size = CHUNK.size + DESC.itemsize * m
+        CHUNK.pack_into(hv, off, chunk.opcode, 0, 0, chunk.wire_seq(lo), m, 0)
+        if m == 1:
+            _DESC1.pack_into(hv, off + CHUNK.size, int(batch.rkey[lo]), 0, int(batch.remote_addr[lo]),
+                             int(batch.length[lo]))  # fmt: skip
+        else:
+            desc = heads[off + CHUNK.size : off + size].view(DESC)
+            desc["rkey"] = batch.rkey[lo:hi]
+            desc["reserved"] = 0
+            desc["addr"] = batch.remote_addr[lo:hi]
+            desc["length"] = batch.length[lo:hi]
+        iov[row, 0] = base + off
+        iov[row, 1] = size
+        row += 1
+        off += size
+        if chunk.is_read:
+            chunk.iov = iovecs(b - a)
+            chunk.iov[:, 0] = batch.sge_addr[a:b]
+            chunk.iov[:, 1] = batch.sge_length[a:b]
+        elif b > a:
+            iov[row : row + b - a, 0] = batch.sge_addr[a:b]
+            iov[row : row + b - a, 1] = batch.sge_length[a:b]
+            row += b - a
+            total += int(batch.sge_length[a:b].sum()) if b - a > 1 else int(batch.sge_length[a])
+    return iov, total, heads
+
+
+def next_round(st: PairState, max_bytes: int) -> Round | None:
+    """Take, check and frame the next chunks (the caller holds ``tx_lock``). Raises Drop."""
+    with st.lock:
+        chunks = st.take_locked(max_bytes)
+    if not chunks:
+        return None
+    out, pinned, presets = _check(st, chunks)
+    iov, total, heads = _frame(out) if out else (iovecs(0), 0, np.zeros(0, np.uint8))
+    rnd = Round(iov, total, pinned, heads)
+    with st.lock:
+        sending = st.settle_locked(chunks, presets)
+    if not sending or not out:
+        rnd.unpin()
+        return None
+    return rnd
+
+
+def send_loop(st: PairState, sock: socket.socket) -> None:
+    fd = sock.fileno()
     while True:
-        with qp.lock:
-            while not qp.to_send and qp.tx_pending is None and qp.state == _RTS and not qp.send_stopped:
-                qp.send_cv.wait()
-            if qp.state != _RTS or (qp.send_stopped and qp.tx_pending is None):
+        with st.lock:
+            while not st.pending and st.tx_pending is None and st.state == _RTS and not st.send_stopped:
+                st.send_cv.wait()
+            if st.state != _RTS or (st.send_stopped and st.tx_pending is None):
                 return  # after a local failure the pair enters ERR when it reaches the head
-        pinned: list[TcpRegion] = []
-        with qp.tx_lock:
+        with st.tx_lock:
+            rnd: Round | None = None
             try:
-                pending, qp.tx_pending = qp.tx_pending, None
-                if pending is not None:  # what post_send could not write without blocking goes first
-                    buffers, total, pinned = pending
-                    send_all(sock, buffers, total)
-                    _unpin(pinned)
-                if qp.send_stopped:
-                    continue
-                batch = _take_batch(qp)
-                if not batch:
-                    continue
-                iov, total, stop = _build(qp, batch, pinned, qp.preset)
-                if iov:
-                    send_all(sock, iov, total)
-                if stop:
-                    with qp.lock:
-                        qp.send_stopped = True
-            except _Drop:
-                qp.peer_lost(VendorErr.HOOK)
+                left, st.tx_pending = st.tx_pending, None
+                if left is not None:  # what a doorbell could not write without blocking goes first
+                    try:
+                        send_all(fd, left.iov, left.left, left.start)
+                    finally:
+                        left.release()
+                rnd = next_round(st, ROUND_BYTES)
+                if rnd is not None:
+                    send_all(fd, rnd.iov, rnd.total)
+            except Drop:
+                st.peer_lost(VendorErr.HOOK)
                 return
             except PeerGone as exc:
-                qp.peer_lost(exc.vendor)
+                st.peer_lost(exc.vendor)
                 return
             finally:
-                _unpin(pinned)
+                if rnd is not None:
+                    rnd.unpin()
 
 
-def _unpin(pinned: list[TcpRegion]) -> None:
-    for region in pinned:
-        region.unpin()
-    pinned.clear()
+def ring(st: PairState, sock: socket.socket) -> None:
+    """The doorbell: send what was just posted from the posting thread, without blocking.
 
-
-def send_inline(qp: TcpQueuePair, sock: socket.socket) -> None:
-    """Send what was just posted from the posting thread, without blocking (the doorbell).
-
-    The caller (``post_send``) holds ``qp.lock`` and ``qp.tx_lock``, found the
-    sender idle with nothing pending, no hooks, and little WRITE payload. What
-    the socket does not take at once is left in ``qp.tx_pending`` for the
-    sender thread, which the caller then wakes. Saves a thread wakeup per
-    post for READs and small WRITEs; large payloads stay on the sender thread.
+    The caller holds ``tx_lock`` (taken without waiting) and found the sender
+    idle. What the socket does not take at once is left in ``st.tx_pending``
+    for the sender thread, which the caller then wakes.
     """
-    batch = list(qp.to_send)
-    qp.to_send.clear()
-    pinned: list[TcpRegion] = []
-    iov, total, stop = _build(qp, batch, pinned, qp.preset_locked)
-    if stop:
-        qp.send_stopped = True
-    if not iov:
-        _unpin(pinned)
+    try:
+        rnd = next_round(st, INLINE_BYTES)
+    except Drop:
+        st.peer_lost(VendorErr.HOOK)
+        return
+    if rnd is None:
         return
     try:
-        sent = sock.sendmsg(iov, (), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        sent = sendmsg(sock.fileno(), rnd.iov, 0, socket.MSG_DONTWAIT)
     except BlockingIOError:
         sent = 0
     except OSError:
-        _unpin(pinned)
-        qp.fail_locked(WcStatus.RETRY_EXC_ERR, VendorErr.PEER_RESET)
+        rnd.unpin()
+        st.peer_lost(VendorErr.PEER_RESET)
         return
-    if sent == total:
-        _unpin(pinned)
-    else:
-        qp.tx_pending = (advance(iov, sent), total - sent, pinned)
+    if sent == rnd.total:
+        rnd.unpin()
+        return
+    st.tx_pending = PendingWrite(rnd.iov, advance(rnd.iov, 0, sent), rnd.total - sent, rnd.unpin, rnd.heads)
