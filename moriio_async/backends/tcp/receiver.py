@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...status import Opcode, WcStatus
+from ...work import WorkRequest
 from ..base import QpState
 from .hooks import Fault
 from .iov import address, advance, iovecs, prefix, recv_all, recv_exact, recvmsg
@@ -132,12 +133,12 @@ def _on_write_response(st: PairState, r: Response) -> bool:
     return _hooked(st, head, wr, status, vendor)
 
 
-def _hooked(st: PairState, head: Chunk, wr: object, status: int, vendor: int) -> bool:
+def _hooked(st: PairState, head: Chunk, wr: WorkRequest, status: int, vendor: int) -> bool:
     """A hooked pair: ``on_response`` sees the one request's outcome and may change it."""
     hooks = st.hooks
     wc_status, err = (WcStatus.parse(status), vendor) if status else (WcStatus.SUCCESS, 0)
     if hooks is not None:
-        verdict = hooks.on_response(st.qp_num, wr, wc_status)  # type: ignore[arg-type]
+        verdict = hooks.on_response(st.qp_num, wr, wc_status)
         if verdict is Fault.DROP:
             st.peer_lost(VendorErr.HOOK)
             return False
