@@ -147,10 +147,10 @@ def test_doorbell_writes_the_socket_would_not_take_finish_on_the_sender(
     partial = []
 
     def counting(st: PairState, sock: socket.socket) -> None:
-        sender.ring(st, sock)
+        sender.ring_locked(st, sock)
         partial.append(st.tx_pending is not None)
 
-    monkeypatch.setattr(qp, "ring", counting)
+    monkeypatch.setattr(qp, "ring_locked", counting)
     pair = pairs(8 << 20, 8 << 20, sq_depth=64)
     active = pair.a.qp
     assert isinstance(active, TcpQueuePair)

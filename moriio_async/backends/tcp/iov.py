@@ -18,7 +18,7 @@ import ctypes
 import errno
 import os
 import socket
-from typing import Final
+from typing import Final, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -30,18 +30,23 @@ __all__ = [
     "Iov",
     "address",
     "advance",
+    "advance_buffers",
     "iovecs",
     "prefix",
     "recv_all",
+    "recv_buffers",
     "recv_exact",
     "recvmsg",
     "send_all",
+    "send_buffers",
     "sendmsg",
 ]
 
 IOV_MAX: Final = 1024
 """Entries one call takes (Linux UIO_MAXIOV); longer lists take several calls."""
 _ROW: Final = 16  # sizeof(struct iovec) on 64-bit Linux: base, length
+
+_B = TypeVar("_B", bound=bytes | memoryview)
 
 Iov = npt.NDArray[np.uint64]
 """An iovec list: ``n`` rows of (base address, length), laid out as ``struct iovec[n]``."""
@@ -66,8 +71,8 @@ _sendmsg.restype = ctypes.c_ssize_t
 _recvmsg = _libc.recvmsg
 _recvmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
 _recvmsg.restype = ctypes.c_ssize_t
-_NOSIGNAL: Final = socket.MSG_NOSIGNAL
-_WAITALL: Final = socket.MSG_WAITALL
+_NOSIGNAL: Final = int(socket.MSG_NOSIGNAL)  # plain ints: IntFlag arithmetic costs a call per request
+_WAITALL: Final = int(socket.MSG_WAITALL)
 
 
 def address(array: npt.NDArray[np.generic]) -> int:
@@ -173,3 +178,49 @@ def prefix(iov: Iov, start: int, nbytes: int) -> Iov:
     if k:
         out[-1, 1] -= np.uint64(int(cum[k - 1]) - nbytes)
     return out
+
+
+# -- a few buffers: the socket module's own calls (one request, a response) --------------------
+
+
+def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview], total: int) -> None:
+    """Send ``buffers`` back to back with gather writes (zero copy). Raises PeerGone."""
+    try:
+        while True:
+            n = sock.sendmsg(buffers, (), _NOSIGNAL)
+            total -= n
+            if total <= 0:
+                return
+            buffers = advance_buffers(buffers, n)
+    except BlockingIOError:
+        raise PeerGone(VendorErr.SEND_TIMEOUT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None
+
+
+def advance_buffers(buffers: list[_B], n: int) -> list[_B]:
+    """``buffers`` without their first ``n`` bytes (slicing views, copying nothing)."""
+    i = 0
+    while n >= len(buffers[i]):
+        n -= len(buffers[i])
+        i += 1
+    rest = buffers[i:]
+    if n:
+        rest[0] = cast(_B, memoryview(rest[0])[n:])
+    return rest
+
+
+def recv_buffers(sock: socket.socket, views: list[memoryview], total: int) -> None:
+    """Fill ``views`` in order with ``total`` bytes (silence inside is a dead peer). Raises PeerGone."""
+    try:
+        while total > 0:
+            n = sock.recvmsg_into(views, 0, _WAITALL)[0]
+            if n == 0:
+                raise PeerGone(VendorErr.PEER_CLOSED)
+            total -= n
+            if total > 0:
+                views = advance_buffers(views, n)
+    except BlockingIOError:
+        raise PeerGone(VendorErr.PEER_SILENT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None

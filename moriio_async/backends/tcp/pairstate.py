@@ -77,7 +77,9 @@ class Stoppable(Protocol):
 class PendingWrite:
     """A doorbell write the socket took only part of; the sender thread finishes it first."""
 
-    iov: Iov
+    iov: Iov | None
+    buffers: list[bytes | memoryview] | None
+    """The rest as socket-module buffers instead (a one-request round)."""
     start: int
     left: int
     release: Callable[[], None]
@@ -118,7 +120,7 @@ class Span:
 class Chunk:
     """Requests ``lo:hi`` of ``batch`` (one opcode); ``next`` is the first not yet completed."""
 
-    __slots__ = ("batch", "hi", "iov", "lo", "local", "next", "opcode", "preset", "sent", "seq")
+    __slots__ = ("batch", "hi", "iov", "lo", "local", "next", "opcode", "preset", "sent", "seq", "views")
 
     def __init__(self, batch: WorkBatch, lo: int, hi: int, seq: int) -> None:
         self.batch = batch
@@ -131,6 +133,7 @@ class Chunk:
         self.preset: tuple[WcStatus, int] | None = None
         self.local: Checked | None = None  # a READ's local SGEs, checked (the receiver pins them)
         self.iov: Iov | None = None  # a READ's scatter list: one row per local SGE of lo:hi
+        self.views: list[memoryview] | None = None  # or, for a one-request READ, its SGEs as views
 
     @property
     def is_read(self) -> bool:
@@ -191,8 +194,6 @@ class PairState:
             self._push(self._flushes(batch, 0, _FLUSH, 0))
             return
         self.pending.append(Span(batch, seq))
-        if not self.wire:
-            self.recv_cv.notify()
 
     def take_locked(self, max_bytes: int) -> list[Chunk]:
         """Move the next chunks from ``pending`` to ``wire`` (unsent) for one write of at most about
@@ -238,7 +239,8 @@ class PairState:
             if status is not _SUCCESS:
                 self.send_stopped = True
                 break
-        self.recv_cv.notify()
+        if self.wire and self.wire[0] is chunks[0]:
+            self.recv_cv.notify()  # the receiver waits only while the head is unsent
         self.complete_presets_locked()
         return True
 

@@ -27,7 +27,7 @@ from .listener import Listener, dial
 from .pairstate import PairState
 from .receiver import recv_loop
 from .regions import RegionTable
-from .sender import INLINE_BYTES, ring, send_loop
+from .sender import INLINE_BYTES, ring_locked, send_loop
 
 __all__ = ["MAX_SEND_WR", "MAX_SGE", "TcpQueuePair"]
 
@@ -152,12 +152,11 @@ class TcpQueuePair(QueuePair):
             if not (idle and _payload(batch) <= INLINE_BYTES and st.tx_lock.acquire(blocking=False)):
                 st.send_cv.notify()
                 return
-        try:
-            assert st.sock is not None
-            ring(st, st.sock)
-        finally:
-            st.tx_lock.release()
-        with st.lock:
+            try:
+                assert st.sock is not None
+                ring_locked(st, st.sock)
+            finally:
+                st.tx_lock.release()
             if st.pending or st.tx_pending is not None:
                 st.send_cv.notify()
 

@@ -21,7 +21,7 @@ from ...status import Opcode, WcStatus
 from ...work import WorkRequest
 from ..base import QpState
 from .hooks import Fault
-from .iov import address, advance, iovecs, prefix, recv_all, recv_exact, recvmsg
+from .iov import address, advance, advance_buffers, iovecs, prefix, recv_all, recv_buffers, recv_exact, recvmsg
 from .pairstate import Chunk, PairState
 from .wire import RESPONSE, PeerGone, VendorErr, peer_progress
 
@@ -31,6 +31,7 @@ LOOKAHEAD = 64  # WRITE responses read with one recv
 SCRATCH = 1 << 16
 
 _RTS = QpState.RTS
+_WAITALL = int(socket.MSG_WAITALL)
 _WRITE = int(Opcode.RDMA_WRITE)
 _SIZE = RESPONSE.size
 Response = tuple[int, int, int, int, int, int, int]  # opcode, status, vendor, seq, done, reserved, payload
@@ -157,31 +158,39 @@ def _hooked(st: PairState, head: Chunk, wr: WorkRequest, status: int, vendor: in
 
 def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndarray, scratch: memoryview) -> bool:
     """Receive a READ chunk's response (header, then payloads into the local SGEs) and complete it."""
-    local, scatter = head.local, head.iov
+    local, scatter, views = head.local, head.iov, head.views
     assert local is not None
-    assert scatter is not None
     fd = sock.fileno()
     lost: int | None = None  # the request a deregistered local region makes fail
     with st.rx_lock:
         if st.state != _RTS:
             return False
         local.pin(VendorErr.LOCAL_DEREGISTERED)
+        nsge = len(views) if views is not None else len(scatter) if scatter is not None else 0
         try:
-            nsge = len(scatter)
-            if local.first_bad == nsge:  # the common case: header and payloads in one call
-                iov = iovecs(1 + nsge)
-                iov[0] = (address(header), _SIZE)
-                iov[1:] = scatter
-                got = _patient(sock, lambda: recvmsg(fd, iov))
+            if local.first_bad >= nsge:  # the common case (all alive): header and payloads in one call
+                if views is not None:  # one request: the socket module's call, a view per SGE
+                    buffers = [header.data, *views]
+                    got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
+                else:
+                    assert scatter is not None
+                    iov = iovecs(1 + nsge)
+                    iov[0] = (address(header), _SIZE)
+                    iov[1:] = scatter
+                    got = _patient(sock, lambda: recvmsg(fd, iov))
                 _finish_header(sock, header, got)
                 r: Response = RESPONSE.unpack_from(header.data)
                 with st.lock:
                     ok = st.state == _RTS and _valid(head, r)
-                if ok and r[6] > got - _SIZE:
-                    rest = advance(iov, 0, got)
-                    recv_all(fd, prefix(iov, rest, r[6] - (got - _SIZE)), r[6] - (got - _SIZE))
+                left = r[6] - max(0, got - _SIZE)
+                if ok and left > 0:
+                    if views is not None:
+                        recv_buffers(sock, advance_buffers(buffers, got), left)
+                    else:
+                        start = advance(iov, 0, got)
+                        recv_all(fd, prefix(iov, start, left), left)
             else:  # a local region died after the chunk was sent: drain what it would have received
-                got = _patient(sock, lambda: sock.recv_into(header.data, _SIZE, socket.MSG_WAITALL))
+                got = _patient(sock, lambda: sock.recv_into(header.data, _SIZE, _WAITALL))
                 _finish_header(sock, header, got)
                 r = RESPONSE.unpack_from(header.data)
                 starts = head.batch.sge_start
@@ -192,6 +201,7 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
                 if ok:
                     keep = _payload(head, head.lo, head.lo + min(lost, r[4])) if min(lost, r[4]) else 0
                     if keep:
+                        assert scatter is not None  # a one-request chunk keeps nothing when its region is gone
                         recv_all(fd, prefix(scatter, 0, keep), keep)
                     _drain(sock, r[6] - keep, scratch)
         finally:

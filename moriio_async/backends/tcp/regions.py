@@ -41,28 +41,30 @@ class TcpRegion(MemoryRegion):
     can_remote_read: bool = False
     live: bool = True
     pins: int = 0
-    cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    drained: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def pin(self) -> bool:
         """Hold the region alive for one socket call; False when it was deregistered."""
-        with self.cond:
+        with self.lock:
             if not self.live:
                 return False
             self.pins += 1
             return True
 
     def unpin(self) -> None:
-        with self.cond:
+        with self.lock:
             self.pins -= 1
             if not self.pins and not self.live:
-                self.cond.notify_all()
+                self.drained.set()
 
     def kill(self) -> None:
         """Mark dead, then wait until no socket call touches the buffer any more."""
-        with self.cond:
+        with self.lock:
             self.live = False
-            while self.pins:
-                self.cond.wait()
+            if not self.pins:
+                return
+        self.drained.wait()
 
 
 def address_of(view: memoryview) -> int:
@@ -142,6 +144,20 @@ class RegionTable:
         checked.pin(VendorErr.REMOTE_DEREGISTERED)
         return checked
 
+    def check_local_one(self, lkey: int, addr: int, length: int, write: bool) -> Checked:
+        """``check_local`` for one SGE, on plain integers."""
+        return _check_one(self.by_lkey, lkey, addr, length, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
+                          VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
+
+    def check_remote_one(self, opcode: int, rkey: int, addr: int, length: int) -> Checked:
+        """``check_remote`` for one request, on plain integers (pinned likewise)."""
+        write = opcode == Opcode.RDMA_WRITE
+        allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
+        checked = _check_one(self.by_rkey, rkey, addr, length, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
+                             VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
+        checked.pin(VendorErr.REMOTE_DEREGISTERED)
+        return checked
+
 
 @dataclass(slots=True)
 class Checked:
@@ -164,6 +180,14 @@ class Checked:
     def pin(self, dead: VendorErr) -> None:
         """Pin every region in use; a region deregistered since the lookup fails the first block
         that uses it with ``dead``, and what lies beyond that block is not pinned."""
+        if len(self.found) == 1:  # one region (the usual case): no bookkeeping
+            region = self.found[0]
+            if self.first_bad and region is not None:
+                if region.pin():
+                    self.pinned.append(region)
+                else:
+                    self.first_bad, self.vendor = 0, dead
+            return
         for j, region in self.used():
             if region.pin():
                 self.pinned.append(region)
@@ -179,6 +203,10 @@ class Checked:
 
     def unpin(self) -> None:
         unpin_all(self.pinned)
+
+
+_ZERO = np.zeros(1, dtype=np.intp)
+_ZERO.flags.writeable = False
 
 
 def unpin_all(regions: list[TcpRegion]) -> None:
@@ -200,7 +228,10 @@ def _check(
     """Key to region, bounds and access for every block with a few array operations and one
     dict lookup per distinct key (usually one)."""
     n = len(keys)
-    if n == 1 or (n and bool((keys == keys[0]).all())):
+    if n == 1:  # one block: plain integers, no array work
+        return _check_one(table, int(keys[0]), int(addrs[0]), int(lengths[0]), unknown, out_of_bounds, no_access,
+                          allowed)  # fmt: skip
+    if n and bool((keys == keys[0]).all()):
         found = [table.get(int(keys[0]))]
         which = np.zeros(n, dtype=np.intp)
     elif n:
@@ -229,3 +260,23 @@ def _check(
         code = codes[int(which[first])]
         vendor = unknown if code == unknown else out_of_bounds if not bool(inside[first]) else code
     return Checked(first, vendor, found, which)
+
+
+def _check_one(
+    table: dict[int, TcpRegion],
+    key: int,
+    addr: int,
+    length: int,
+    unknown: VendorErr,
+    out_of_bounds: VendorErr,
+    no_access: VendorErr,
+    allowed: Callable[[TcpRegion], bool],
+) -> Checked:
+    region = table.get(key)
+    if region is None:
+        vendor = unknown
+    elif not (region.addr <= addr and length >= 0 and addr + length <= region.addr + region.length):
+        vendor = out_of_bounds
+    else:
+        vendor = VendorErr.NONE if allowed(region) else no_access
+    return Checked(0 if vendor else 1, vendor, [region], _ZERO)

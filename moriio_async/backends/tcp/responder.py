@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 
 import numpy as np
 
 from ...status import Opcode, WcStatus
 from .hooks import Fault, Hooks
-from .iov import address, iovecs, recv_all, recv_exact, send_all
+from .iov import address, iovecs, recv_all, recv_exact, send_all, send_buffers
 from .pairstate import PairState
 from .wire import CHUNK, DESC, MAX_CHUNK, RESPONSE, SEQ_MASK, PeerGone, VendorErr
 
@@ -32,9 +33,11 @@ log = logging.getLogger("moriio_async.tcp")
 
 SCRATCH = 1 << 16
 _WRITE = int(Opcode.RDMA_WRITE)
+_WAITALL = int(socket.MSG_WAITALL)
 _READ = int(Opcode.RDMA_READ)
 _REM_ACCESS_ERR = int(WcStatus.REM_ACCESS_ERR)
 _FIRST = CHUNK.size + DESC.itemsize  # a chunk header and its first descriptor: read with one call
+_DESC1 = struct.Struct("<IIQQ")
 
 
 class Responder:
@@ -78,11 +81,15 @@ class Responder:
             if (op != _WRITE and op != _READ) or not 1 <= count <= MAX_CHUNK:
                 log.warning("tcp qp %d: malformed chunk (opcode %d, %d requests); closing", st.qp_num, op, count)
                 return
+            hooks = st.hooks
+            if count == 1 and (hooks is None or op == _READ):
+                if not self._serve_one(st, hooks, op, seq, scratch, *_DESC1.unpack_from(first, CHUNK.size)):
+                    return
+                continue
             desc_bytes[: DESC.itemsize] = first_view[CHUNK.size :]
             if count > 1:
                 recv_exact(sock, desc_bytes[DESC.itemsize : count * DESC.itemsize])
             d = descs[:count]
-            hooks = st.hooks
             if hooks is not None and op == _WRITE:
                 if not self._write_hooked(st, hooks, fd, seq, d, scratch):
                     return
@@ -112,6 +119,39 @@ class Responder:
                 self._refuse_rest(sock, scratch)
                 return
 
+    def _serve_one(
+        self, st: PairState, hooks: Hooks | None, op: int, seq: int, scratch: memoryview, rkey: int, _r: int,
+        addr: int, length: int,
+    ) -> bool:  # fmt: skip
+        """A one-request chunk, with plain integers and the socket module's calls (a view of the
+        target range); False when service ends."""
+        sock = self.sock
+        if hooks is not None and hooks.on_request(st.qp_num, op, rkey, addr, length) is Fault.DROP:
+            return False
+        if self._stopped:
+            return False
+        checked = st.regions.check_remote_one(op, rkey, addr, length)
+        try:
+            if not checked.first_bad:
+                if op == _READ:
+                    head = RESPONSE.pack(op, _REM_ACCESS_ERR, int(checked.vendor), seq, 0, 0, 0)
+                    send_buffers(sock, [head], RESPONSE.size)
+                else:
+                    _send_small(sock, RESPONSE.pack(op, _REM_ACCESS_ERR, int(checked.vendor), seq, 0, 0, 0))
+                self._refuse_rest(sock, scratch)
+                return False
+            region = checked.found[0]
+            assert region is not None
+            view = region.view[addr - region.addr : addr - region.addr + length]
+            if op == _WRITE:
+                recv_exact(sock, view)
+                _send_small(sock, RESPONSE.pack(op, 0, 0, seq, 1, 0, 0))
+            else:
+                send_buffers(sock, [RESPONSE.pack(op, 0, 0, seq, 1, 0, length), view], RESPONSE.size + length)
+        finally:
+            checked.unpin()
+        return True
+
     def _write_hooked(self, st: PairState, hooks: Hooks, fd: int, seq: int, d: np.ndarray, scratch: memoryview) -> bool:
         """A WRITE chunk on a hooked pair: ``on_request`` before each request, one response each."""
         sock = self.sock
@@ -137,7 +177,7 @@ class Responder:
         """Wait for the next chunk (its header and first descriptor); False when the connection ended."""
         while True:
             try:
-                n = sock.recv_into(view, 0, socket.MSG_WAITALL)
+                n = sock.recv_into(view, 0, _WAITALL)
             except BlockingIOError:
                 # Silence between chunks is an idle pair, not a dead one: keep waiting.
                 if self._stopped:

@@ -7,13 +7,14 @@ WRITE payloads with one ``sendmsg`` per up to ``IOV_MAX`` blocks straight from
 the registered buffers (``iov.py``); the call blocks with the GIL released.
 
 The doorbell: when the sender is idle, ``post`` writes READs and small WRITEs
-to the socket itself (``ring``, never blocking), which saves a thread wakeup
+to the socket itself (``ring_locked``, never blocking), which saves a thread wakeup
 and a GIL hand-off per post; ``tx_lock`` orders the two writers, and what the
 socket does not take at once is finished by the sender thread.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 from dataclasses import dataclass
@@ -23,12 +24,14 @@ import numpy as np
 from ...status import WcStatus
 from ..base import QpState
 from .hooks import Fault
-from .iov import Iov, address, advance, iovecs, send_all, sendmsg
+from .iov import Iov, address, advance, advance_buffers, iovecs, send_all, send_buffers, sendmsg
 from .pairstate import Chunk, PairState, PendingWrite
 from .regions import Checked
 from .wire import CHUNK, DESC, PeerGone, VendorErr
 
-__all__ = ["INLINE_BYTES", "ROUND_BYTES", "Drop", "Round", "next_round", "ring", "send_loop"]
+__all__ = ["INLINE_BYTES", "ROUND_BYTES", "Drop", "Round", "next_round", "ring_locked", "send_loop"]
+
+log = logging.getLogger("moriio_async.tcp")
 
 ROUND_BYTES = 4 << 20
 """WRITE payload per round: one round's completions and slot releases are not held back by a huge one."""
@@ -36,7 +39,11 @@ INLINE_BYTES = 64 << 10
 """WRITE payload a post may send itself (on the poster's thread)."""
 
 _DESC1 = struct.Struct("<IIQQ")  # one descriptor, for single-request chunks (no array work)
+_HEAD1 = struct.Struct("<BBHIII" + "IIQQ")  # a chunk header with its one descriptor
+_SMALL_SGES = 4  # a one-request round with at most this many SGEs uses the socket module's own calls
 _RTS = QpState.RTS
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+_NOSIGNAL = int(socket.MSG_NOSIGNAL)
 Presets = dict[int, tuple[int, WcStatus, int]]
 
 
@@ -46,12 +53,14 @@ class Drop(Exception):
 
 @dataclass
 class Round:
-    """One write to the socket: headers and payloads as an iovec list, and what must stay alive."""
+    """One write to the socket: headers and payloads as an iovec list (or, for one small request,
+    as buffers), and what must stay alive until it is out."""
 
-    iov: Iov
+    iov: Iov | None
+    buffers: list[bytes | memoryview] | None
     total: int
     pinned: list[Checked]
-    heads: np.ndarray  # the chunk headers the iovecs point at
+    heads: np.ndarray | None  # the chunk headers the iovecs point at
 
     def unpin(self) -> None:
         for checked in self.pinned:
@@ -59,20 +68,20 @@ class Round:
         self.pinned.clear()
 
 
-def _check(st: PairState, chunks: list[Chunk]) -> tuple[list[tuple[Chunk, int, int, int]], list[Checked], Presets]:
-    """Hooks and local checks: what goes on the wire (chunk, hi, first SGE, end SGE), the pins
-    held for WRITE payloads, and the requests that get their outcome without the wire."""
+Out = list[tuple[Chunk, int, int, int, Checked]]
+
+
+def _check_into(st: PairState, chunks: list[Chunk], pinned: list[Checked]) -> tuple[Out, Presets]:
+    """Hooks and local checks: what goes on the wire (chunk, hi, first SGE, end SGE, its check),
+    the pins held for WRITE payloads, and the requests that get their outcome without the wire."""
     hooks = st.hooks
-    out: list[tuple[Chunk, int, int, int]] = []
-    pinned: list[Checked] = []
+    out: Out = []
     presets: Presets = {}
     for k, chunk in enumerate(chunks):
         batch, lo, hi = chunk.batch, chunk.lo, chunk.hi
         if hooks is not None:  # a hooked pair's chunks hold one request
             verdict = hooks.on_send(st.qp_num, batch.request(lo))
             if verdict is Fault.DROP:
-                for checked in pinned:
-                    checked.unpin()
                 raise Drop
             if isinstance(verdict, WcStatus):
                 presets[k] = (lo, verdict, 0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
@@ -81,9 +90,12 @@ def _check(st: PairState, chunks: list[Chunk]) -> tuple[list[tuple[Chunk, int, i
                 continue
         starts = batch.sge_start
         a, b = int(starts[lo]), int(starts[hi])
-        checked = st.regions.check_local(
-            batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b], write=chunk.is_read
-        )
+        if b - a == 1:
+            lkey, addr, length = int(batch.sge_lkey[a]), int(batch.sge_addr[a]), int(batch.sge_length[a])
+            checked = st.regions.check_local_one(lkey, addr, length, write=chunk.is_read)
+        else:
+            lkeys, addrs, lengths = batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b]
+            checked = st.regions.check_local(lkeys, addrs, lengths, write=chunk.is_read)
         if not chunk.is_read:
             checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
             pinned.append(checked)
@@ -94,24 +106,55 @@ def _check(st: PairState, chunks: list[Chunk]) -> tuple[list[tuple[Chunk, int, i
             bad = lo + int(np.searchsorted(starts[lo : hi + 1], a + checked.first_bad, side="right")) - 1
             presets[k] = (bad, WcStatus.LOC_PROT_ERR, checked.vendor)
             if bad > lo:
-                out.append((chunk, bad, a, int(starts[bad])))
+                out.append((chunk, bad, a, int(starts[bad]), checked))
             break
-        out.append((chunk, hi, a, b))
+        out.append((chunk, hi, a, b, checked))
+    return out, presets
+
+
+def _check(st: PairState, chunks: list[Chunk]) -> tuple[Out, list[Checked], Presets]:
+    """``_check_into`` that never leaves a region pinned when it raises (a Drop, or a bug)."""
+    pinned: list[Checked] = []
+    try:
+        out, presets = _check_into(st, chunks, pinned)
+    except BaseException:
+        for checked in pinned:
+            checked.unpin()
+        raise
     return out, pinned, presets
 
 
-def _frame(out: list[tuple[Chunk, int, int, int]]) -> tuple[Iov, int, np.ndarray]:
+def _frame_one(chunk: Chunk, a: int, b: int, checked: Checked) -> tuple[list[bytes | memoryview], int]:
+    """A one-request chunk as socket-module buffers: header and descriptor in one ``bytes``, then
+    (WRITE) views of its SGEs; a READ keeps its SGEs as views for the receiver."""
+    batch, lo = chunk.batch, chunk.lo
+    length = int(batch.length[lo])
+    head = _HEAD1.pack(chunk.opcode, 0, 0, chunk.wire_seq(lo), 1, 0, int(batch.rkey[lo]), 0,
+                       int(batch.remote_addr[lo]), length)  # fmt: skip
+    views: list[memoryview] = []
+    for j in range(a, b):
+        region = checked.found[int(checked.which[j - a]) if len(checked.found) > 1 else 0]
+        assert region is not None
+        off = int(batch.sge_addr[j]) - region.addr
+        views.append(region.view[off : off + int(batch.sge_length[j])])
+    if chunk.is_read:
+        chunk.views = views
+        return [head], len(head)
+    return [head, *views], len(head) + length
+
+
+def _frame(out: Out) -> tuple[Iov, int, np.ndarray]:
     """One buffer of chunk headers and descriptors, and the iovec list: each header followed by
     its WRITE payload blocks. READ chunks keep their scatter list for the receiver."""
-    head_bytes = sum(CHUNK.size + DESC.itemsize * (hi - c.lo) for c, hi, _a, _b in out)
-    rows = sum(1 + (0 if c.is_read else b - a) for c, _hi, a, b in out)
+    head_bytes = sum(CHUNK.size + DESC.itemsize * (hi - c.lo) for c, hi, _a, _b, _c in out)
+    rows = sum(1 + (0 if c.is_read else b - a) for c, _hi, a, b, _c in out)
     heads = np.empty(head_bytes, dtype=np.uint8)
     iov = iovecs(rows)
     base = address(heads)
     hv = heads.data
     off = row = 0
     total = head_bytes
-    for chunk, hi, a, b in out:
+    for chunk, hi, a, b, _checked in out:
         batch, lo = chunk.batch, chunk.lo
         m = hi - lo
         size = CHUNK.size + DESC.itemsize * m
@@ -141,18 +184,38 @@ def _frame(out: list[tuple[Chunk, int, int, int]]) -> tuple[Iov, int, np.ndarray
     return iov, total, heads
 
 
+def _build(st: PairState, chunks: list[Chunk]) -> tuple[Round, Presets, bool]:
+    """Check and frame taken chunks: the round, the presets, and whether anything goes out."""
+    out, pinned, presets = _check(st, chunks)
+    try:
+        return _frame_round(out, pinned, presets)
+    except BaseException:
+        for checked in pinned:
+            checked.unpin()
+        raise
+
+
+def _frame_round(out: Out, pinned: list[Checked], presets: Presets) -> tuple[Round, Presets, bool]:
+    if len(out) == 1 and out[0][1] - out[0][0].lo == 1 and out[0][3] - out[0][2] <= _SMALL_SGES:
+        chunk, _hi, a, b, checked = out[0]
+        buffers, total = _frame_one(chunk, a, b, checked)
+        return Round(None, buffers, total, pinned, None), presets, True
+    if not out:
+        return Round(None, None, 0, pinned, None), presets, False
+    iov, total, heads = _frame(out)
+    return Round(iov, None, total, pinned, heads), presets, True
+
+
 def next_round(st: PairState, max_bytes: int) -> Round | None:
-    """Take, check and frame the next chunks (the caller holds ``tx_lock``). Raises Drop."""
+    """Take, check and frame the next chunks (the caller holds ``tx_lock``, not ``lock``). Raises Drop."""
     with st.lock:
         chunks = st.take_locked(max_bytes)
     if not chunks:
         return None
-    out, pinned, presets = _check(st, chunks)
-    iov, total, heads = _frame(out) if out else (iovecs(0), 0, np.zeros(0, np.uint8))
-    rnd = Round(iov, total, pinned, heads)
+    rnd, presets, anything = _build(st, chunks)
     with st.lock:
         sending = st.settle_locked(chunks, presets)
-    if not sending or not out:
+    if not sending or not anything:
         rnd.unpin()
         return None
     return rnd
@@ -172,12 +235,18 @@ def send_loop(st: PairState, sock: socket.socket) -> None:
                 left, st.tx_pending = st.tx_pending, None
                 if left is not None:  # what a doorbell could not write without blocking goes first
                     try:
-                        send_all(fd, left.iov, left.left, left.start)
+                        if left.buffers is not None:
+                            send_buffers(sock, left.buffers, left.left)
+                        elif left.iov is not None:
+                            send_all(fd, left.iov, left.left, left.start)
                     finally:
                         left.release()
                 rnd = next_round(st, ROUND_BYTES)
                 if rnd is not None:
-                    send_all(fd, rnd.iov, rnd.total)
+                    if rnd.buffers is not None:
+                        send_buffers(sock, rnd.buffers, rnd.total)
+                    elif rnd.iov is not None:
+                        send_all(fd, rnd.iov, rnd.total)
             except Drop:
                 st.peer_lost(VendorErr.HOOK)
                 return
@@ -189,29 +258,47 @@ def send_loop(st: PairState, sock: socket.socket) -> None:
                     rnd.unpin()
 
 
-def ring(st: PairState, sock: socket.socket) -> None:
+def ring_locked(st: PairState, sock: socket.socket) -> None:
     """The doorbell: send what was just posted from the posting thread, without blocking.
 
-    The caller holds ``tx_lock`` (taken without waiting) and found the sender
-    idle. What the socket does not take at once is left in ``st.tx_pending``
-    for the sender thread, which the caller then wakes.
+    The caller holds ``lock`` and ``tx_lock`` (taken without waiting), found the
+    sender idle and the pair without hooks (so nothing here sleeps). What the
+    socket does not take at once is left in ``st.tx_pending`` for the sender
+    thread, which the caller then wakes. Under the one lock, a small post costs
+    a single lock round trip, as a doorbell write should.
     """
-    try:
-        rnd = next_round(st, INLINE_BYTES)
-    except Drop:
-        st.peer_lost(VendorErr.HOOK)
-        return
-    if rnd is None:
+    chunks = st.take_locked(INLINE_BYTES)
+    if not chunks:
         return
     try:
-        sent = sendmsg(sock.fileno(), rnd.iov, 0, socket.MSG_DONTWAIT)
+        rnd, presets, anything = _build(st, chunks)
+    except Exception:
+        log.exception("tcp qp %d: posting failed", st.qp_num)
+        st.fail_locked(WcStatus.GENERAL_ERR, 0)  # what was taken completes (flushed), nothing hangs
+        return
+    if not st.settle_locked(chunks, presets) or not anything:
+        rnd.unpin()
+        return
+    try:
+        if rnd.buffers is not None:
+            sent = sock.sendmsg(rnd.buffers, (), _DONTWAIT | _NOSIGNAL)
+        else:
+            assert rnd.iov is not None
+            sent = sendmsg(sock.fileno(), rnd.iov, 0, _DONTWAIT)
     except BlockingIOError:
         sent = 0
     except OSError:
         rnd.unpin()
-        st.peer_lost(VendorErr.PEER_RESET)
+        if st.state == _RTS:
+            st.fail_locked(WcStatus.RETRY_EXC_ERR, VendorErr.PEER_RESET)
         return
     if sent == rnd.total:
         rnd.unpin()
         return
-    st.tx_pending = PendingWrite(rnd.iov, advance(rnd.iov, 0, sent), rnd.total - sent, rnd.unpin, rnd.heads)
+    if rnd.buffers is not None:
+        rest = advance_buffers(rnd.buffers, sent)
+        st.tx_pending = PendingWrite(None, rest, 0, rnd.total - sent, rnd.unpin, None)
+    else:
+        assert rnd.iov is not None
+        start = advance(rnd.iov, 0, sent)
+        st.tx_pending = PendingWrite(rnd.iov, None, start, rnd.total - sent, rnd.unpin, rnd.heads)
