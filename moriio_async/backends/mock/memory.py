@@ -92,6 +92,15 @@ class MemoryTable:
     def clear(self) -> None:
         self._regions.clear()
 
+    def lookup(self, key: int, addr: int, length: int, need: Access) -> MockRegion | None:
+        """``resolve`` for one block, on plain integers: its region, or None when a check fails."""
+        region = self._regions.get(key)
+        if region is None or (region.access & need) != need:
+            return None
+        if not (region.addr <= addr and length >= 0 and addr + length <= region.addr + region.length):
+            return None
+        return region
+
     def resolve(self, keys: npt.NDArray[np.uint32], addrs: U64, lengths: U64, need: Access) -> Resolved:
         """Check every triple at once: a live region under the key, ``[addr, addr + length)`` inside
         it, and the access ``need``."""

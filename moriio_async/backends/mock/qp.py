@@ -118,10 +118,16 @@ class MockQueuePair(QueuePair):
         if not n:
             return
         ops = batch.opcode
-        if not bool(((ops == _WRITE) | (ops == _READ)).all()):
-            bad = int(ops[(ops != _WRITE) & (ops != _READ)][0])
-            raise InvalidArgument(f"unsupported opcode {bad}")
-        most = int(np.diff(batch.sge_start).max())
+        if n == 1:
+            op = ops.item(0)
+            if op != _WRITE and op != _READ:
+                raise InvalidArgument(f"unsupported opcode {op}")
+            most = batch.sge_start.item(1) - batch.sge_start.item(0)
+        else:
+            if not bool(((ops == _WRITE) | (ops == _READ)).all()):
+                bad = int(ops[(ops != _WRITE) & (ops != _READ)][0])
+                raise InvalidArgument(f"unsupported opcode {bad}")
+            most = int(np.diff(batch.sge_start).max())
         if most > self.max_sge:
             raise InvalidArgument(f"{most} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
         used = self._posted - self._released
@@ -204,6 +210,13 @@ class MockQueuePair(QueuePair):
             self._fail(batch, 0, chosen, out)
             return
         n = len(batch)
+        if n == 1:  # one request (the runtime's single read/write): plain integers, no array work
+            status = self._execute_one(batch, peer.memory)
+            if status is None:
+                self._complete_ok(batch, 0, 1, out)
+            else:
+                self._fail(batch, 0, status, out)
+            return
         cuts = [0, *(np.flatnonzero(np.diff(batch.opcode)) + 1).tolist(), n]
         for lo, hi in itertools.pairwise(cuts):
             done, status = self._execute(batch, lo, hi, peer.memory)
@@ -250,9 +263,47 @@ class MockQueuePair(QueuePair):
                 copy(mine, theirs, lengths)
         return done, status
 
+    def _execute_one(self, batch: WorkBatch, remote: MemoryTable) -> WcStatus | None:
+        """Check and copy the batch's only request; its failure status, or None."""
+        read = batch.opcode.item(0) == _READ
+        a, b = batch.sge_start.item(0), batch.sge_start.item(1)
+        addrs, lengths, lkeys = (
+            batch.sge_addr.tolist()[a:b],
+            batch.sge_length.tolist()[a:b],
+            batch.sge_lkey.tolist()[a:b],
+        )
+        need = Access.LOCAL_WRITE if read else Access(0)
+        local = [self.memory.lookup(k, x, n, need) for k, x, n in zip(lkeys, addrs, lengths, strict=True)]
+        if None in local:
+            return WcStatus.LOC_PROT_ERR
+        raddr = batch.remote_addr.item(0)
+        far = remote.lookup(batch.rkey.item(0), raddr, batch.length.item(0),
+                            Access.REMOTE_READ if read else Access.REMOTE_WRITE)  # fmt: skip
+        if far is None:
+            return WcStatus.REM_ACCESS_ERR
+        pos = raddr - far.addr
+        for region, addr, n in zip(local, addrs, lengths, strict=True):
+            assert region is not None
+            off = addr - region.addr
+            if read:
+                region.array[off : off + n] = far.array[pos : pos + n]
+            else:
+                far.array[pos : pos + n] = region.array[off : off + n]
+            pos += n
+        return None
+
     def _complete_ok(self, batch: WorkBatch, lo: int, hi: int, out: Completions) -> None:
         """Requests ``lo:hi`` succeeded: a completion for each signaled one, covering those before it."""
         if hi <= lo:
+            return
+        if hi == lo + 1:
+            if batch.signaled.item(lo):
+                op = _OPCODES[batch.opcode.item(lo)]
+                wc = WorkCompletion(batch.wr_id + lo, _SUCCESS, op, batch.length.item(lo), self.qp_num)
+                out.append((wc, self._uncovered + 1))
+                self._uncovered = 0
+            else:
+                self._uncovered += 1
             return
         signaled = np.flatnonzero(batch.signaled[lo:hi])
         if not len(signaled):

@@ -128,7 +128,7 @@ class Chunk:
         self.hi = hi
         self.next = lo
         self.seq = seq  # posting number of request lo
-        self.opcode = int(batch.opcode[lo])
+        self.opcode = batch.opcode.item(lo)
         self.sent = False  # on the wire: its response will come
         self.preset: tuple[WcStatus, int] | None = None
         self.local: Checked | None = None  # a READ's local SGEs, checked (the receiver pins them)
@@ -209,7 +209,7 @@ class PairState:
             chunk = Chunk(span.batch, span.pos, end, span.seq + span.pos)
             chunks.append(chunk)
             if not chunk.is_read:
-                total += int(span.batch.length[span.pos]) if end == span.pos + 1 else _bytes(span, end)
+                total += span.batch.length.item(span.pos) if end == span.pos + 1 else _bytes(span, end)
             span.pos = end
             if end == len(span.batch):
                 self.pending.popleft()
@@ -258,7 +258,7 @@ class PairState:
             self.wire.popleft()
         batch = chunk.batch
         if k == 1:
-            if not batch.signaled[a]:
+            if not batch.signaled.item(a):
                 self.uncovered += 1
                 return
             signaled = [a]
@@ -272,7 +272,7 @@ class PairState:
         op = _OPCODES[chunk.opcode]
         first, lengths, qp_num = batch.wr_id, batch.length, self.qp_num
         for i in signaled:
-            out.append((WorkCompletion(first + i, _SUCCESS, op, int(lengths[i]), qp_num), i - prev))
+            out.append((WorkCompletion(first + i, _SUCCESS, op, lengths.item(i), qp_num), i - prev))
             prev = i
         self.uncovered = b - 1 - prev
         self.cq.push_many(out, self)

@@ -122,8 +122,9 @@ class TcpQueuePair(QueuePair):
         n = len(batch)
         ops = batch.opcode
         if n == 1:
-            if ops[0] != _WRITE and ops[0] != _READ:
-                raise InvalidArgument(f"unsupported opcode {int(ops[0])}")
+            op = ops.item(0)
+            if op != _WRITE and op != _READ:
+                raise InvalidArgument(f"unsupported opcode {op}")
             if int(batch.sge_start[1]) - int(batch.sge_start[0]) > self.max_sge:
                 raise InvalidArgument(f"{int(batch.sge_start[1])} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
         elif n:

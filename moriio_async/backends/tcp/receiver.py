@@ -108,7 +108,7 @@ def _valid(head: Chunk, r: Response) -> bool:
 
 def _payload(chunk: Chunk, a: int, b: int) -> int:
     lengths = chunk.batch.length
-    return int(lengths[a]) if b == a + 1 else int(lengths[a:b].sum())
+    return lengths.item(a) if b == a + 1 else int(lengths[a:b].sum())
 
 
 def _on_write_response(st: PairState, r: Response) -> bool:

@@ -229,10 +229,10 @@ def _check(
     dict lookup per distinct key (usually one)."""
     n = len(keys)
     if n == 1:  # one block: plain integers, no array work
-        return _check_one(table, int(keys[0]), int(addrs[0]), int(lengths[0]), unknown, out_of_bounds, no_access,
+        return _check_one(table, keys.item(0), addrs.item(0), lengths.item(0), unknown, out_of_bounds, no_access,
                           allowed)  # fmt: skip
     if n and bool((keys == keys[0]).all()):
-        found = [table.get(int(keys[0]))]
+        found = [table.get(keys.item(0))]
         which = np.zeros(n, dtype=np.intp)
     elif n:
         uniq, which = np.unique(keys, return_inverse=True)

@@ -91,7 +91,7 @@ def _check_into(st: PairState, chunks: list[Chunk], pinned: list[Checked]) -> tu
         starts = batch.sge_start
         a, b = int(starts[lo]), int(starts[hi])
         if b - a == 1:
-            lkey, addr, length = int(batch.sge_lkey[a]), int(batch.sge_addr[a]), int(batch.sge_length[a])
+            lkey, addr, length = batch.sge_lkey.item(a), batch.sge_addr.item(a), batch.sge_length.item(a)
             checked = st.regions.check_local_one(lkey, addr, length, write=chunk.is_read)
         else:
             lkeys, addrs, lengths = batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b]
@@ -128,15 +128,15 @@ def _frame_one(chunk: Chunk, a: int, b: int, checked: Checked) -> tuple[list[byt
     """A one-request chunk as socket-module buffers: header and descriptor in one ``bytes``, then
     (WRITE) views of its SGEs; a READ keeps its SGEs as views for the receiver."""
     batch, lo = chunk.batch, chunk.lo
-    length = int(batch.length[lo])
-    head = _HEAD1.pack(chunk.opcode, 0, 0, chunk.wire_seq(lo), 1, 0, int(batch.rkey[lo]), 0,
-                       int(batch.remote_addr[lo]), length)  # fmt: skip
+    length = batch.length.item(lo)
+    head = _HEAD1.pack(chunk.opcode, 0, 0, chunk.wire_seq(lo), 1, 0, batch.rkey.item(lo), 0,
+                       batch.remote_addr.item(lo), length)  # fmt: skip
     views: list[memoryview] = []
     for j in range(a, b):
         region = checked.found[int(checked.which[j - a]) if len(checked.found) > 1 else 0]
         assert region is not None
-        off = int(batch.sge_addr[j]) - region.addr
-        views.append(region.view[off : off + int(batch.sge_length[j])])
+        off = batch.sge_addr.item(j) - region.addr
+        views.append(region.view[off : off + batch.sge_length.item(j)])
     if chunk.is_read:
         chunk.views = views
         return [head], len(head)
@@ -160,8 +160,8 @@ def _frame(out: Out) -> tuple[Iov, int, np.ndarray]:
         size = CHUNK.size + DESC.itemsize * m
         CHUNK.pack_into(hv, off, chunk.opcode, 0, 0, chunk.wire_seq(lo), m, 0)
         if m == 1:
-            _DESC1.pack_into(hv, off + CHUNK.size, int(batch.rkey[lo]), 0, int(batch.remote_addr[lo]),
-                             int(batch.length[lo]))  # fmt: skip
+            _DESC1.pack_into(hv, off + CHUNK.size, batch.rkey.item(lo), 0, batch.remote_addr.item(lo),
+                             batch.length.item(lo))  # fmt: skip
         else:
             desc = heads[off + CHUNK.size : off + size].view(DESC)
             desc["rkey"] = batch.rkey[lo:hi]
@@ -180,7 +180,7 @@ def _frame(out: Out) -> tuple[Iov, int, np.ndarray]:
             iov[row : row + b - a, 0] = batch.sge_addr[a:b]
             iov[row : row + b - a, 1] = batch.sge_length[a:b]
             row += b - a
-            total += int(batch.sge_length[a:b].sum()) if b - a > 1 else int(batch.sge_length[a])
+            total += int(batch.sge_length[a:b].sum()) if b - a > 1 else batch.sge_length.item(a)
     return iov, total, heads
 
 
