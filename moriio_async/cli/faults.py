@@ -26,16 +26,17 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
-from ..backends.faults import FaultPlan, PlanHooks
-from ..backends.tcp import TcpBackend
+from ..backends.tcp.faults import PlanHooks
+from ..core.faultplan import FaultPlan
 from ..engine import IOEngine, IOEngineConfig
 from ..errors import MoriioError, TransferError
 
-__all__ = ["BatchResult", "add_arguments", "install_hooks", "outcome_of", "pattern", "run", "run_batch"]
+__all__ = ["BatchResult", "add_arguments", "outcome_of", "pattern", "run", "run_batch", "tcp_config"]
 
 Out = Callable[[str], None]
 
@@ -63,12 +64,9 @@ def pattern(n: int) -> bytearray:
     return bytearray((i * 7 + 3) % 251 for i in range(n))
 
 
-def install_hooks(engine: IOEngine, hooks: PlanHooks) -> None:
-    """Give a started TCP engine's backend the plan's hooks (before any queue pair exists)."""
-    backend = engine._backend  # the engine offers no public way to reach its backend's hook seam
-    if not isinstance(backend, TcpBackend):
-        raise MoriioError(f"fault plans need the tcp backend, not {engine.backend_name!r}")
-    backend.hooks = hooks
+def tcp_config(hooks: PlanHooks, **fields: Any) -> IOEngineConfig:
+    """A TCP engine's config whose backend applies ``hooks`` (set before any queue pair exists)."""
+    return IOEngineConfig(backend="tcp", backend_extra={"hooks": hooks}, **fields)
 
 
 def outcome_of(t: Transfer) -> str:
@@ -133,8 +131,8 @@ async def run_batch(
 # -- the two processes -----------------------------------------------------------------------
 
 
-def _config(args: argparse.Namespace) -> IOEngineConfig:
-    return IOEngineConfig(host=args.host, backend="tcp", retry_timeout=args.retry_timeout, sq_depth=args.sq_depth)
+def _config(args: argparse.Namespace, hooks: PlanHooks) -> IOEngineConfig:
+    return tcp_config(hooks, host=args.host, retry_timeout=args.retry_timeout, sq_depth=args.sq_depth)
 
 
 def _emit(data: dict[str, Any]) -> None:
@@ -154,8 +152,7 @@ async def _target(args: argparse.Namespace, plan: FaultPlan) -> int:
         loop.call_soon_threadsafe(stop.set)
 
     signal.signal(signal.SIGTERM, on_term)
-    async with IOEngine("faults-target", _config(args)) as engine:
-        install_hooks(engine, hooks)
+    async with IOEngine("faults-target", _config(args, hooks)) as engine:
         engine.register_memory(pattern(args.transfers * args.size), name="kv")
         _emit({"event": "ready", "address": engine.address, "pid": os.getpid()})
         await stop.wait()
@@ -165,8 +162,7 @@ async def _target(args: argparse.Namespace, plan: FaultPlan) -> int:
 
 async def _initiator(args: argparse.Namespace, plan: FaultPlan) -> int:
     hooks = PlanHooks(plan.side(target=False))
-    async with IOEngine("faults-initiator", _config(args)) as engine:
-        install_hooks(engine, hooks)
+    async with IOEngine("faults-initiator", _config(args, hooks)) as engine:
         result = await run_batch(
             engine,
             args.connect,
@@ -227,7 +223,7 @@ def _text(event: dict[str, Any], out: Out) -> None:
 
 def run(args: argparse.Namespace, out: Out = print) -> int:
     try:
-        plan = FaultPlan.load(args.plan)
+        plan = FaultPlan.loads(Path(args.plan).read_text())
     except (OSError, MoriioError) as exc:
         print(f"moriio-async faults: {exc}", file=sys.stderr)
         return 2

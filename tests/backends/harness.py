@@ -23,13 +23,15 @@ from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
 
 ALL = Access.all()
+IN_PROCESS_ONLY = {"mock"}
+"""Backends whose pairs connect within one process only: a peer that dies is closed here, not killed."""
 WAIT = 15.0
 """Generous upper bound for anything that should take milliseconds (a loaded 2-core box)."""
 
 
 def backend_names() -> list[str]:
-    """Backends the suite runs against: MORIIO_TEST_BACKENDS, a comma list (default "tcp")."""
-    return [b.strip() for b in os.environ.get("MORIIO_TEST_BACKENDS", "tcp").split(",") if b.strip()]
+    """Backends the suite runs against: MORIIO_TEST_BACKENDS, a comma list (default "mock,tcp")."""
+    return [b.strip() for b in os.environ.get("MORIIO_TEST_BACKENDS", "mock,tcp").split(",") if b.strip()]
 
 
 def make_options(**overrides: Any) -> BackendOptions:

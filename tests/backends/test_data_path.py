@@ -132,3 +132,30 @@ def test_read_after_write_on_one_pair_sees_the_write(pairs: PairFactory) -> None
     wcs = pair.run([pair.write(1, 0, 4096, 100, signaled=False), pair.read(2, 8192, 4096, 100)])
     assert wr_ids(wcs) == [2] and statuses(wcs) == [WcStatus.SUCCESS]
     assert np.array_equal(pair.a.buf[8192 : 8192 + 4096], pair.a.buf[:4096])
+
+
+@pytest.mark.parametrize("block", [512, 4096, 65536])
+def test_many_equal_blocks_land_as_if_one_after_another(pairs: PairFactory, block: int) -> None:
+    """One batch of many equal-length, non-contiguous blocks, some of them overwriting earlier
+    ones: every byte is what executing the requests in posting order gives, both ways."""
+    n = 256
+    pair = pairs(4 * n * block, 4 * n * block, sq_depth=2 * n)
+    pair.a.buf[:] = random_bytes(len(pair.a.buf), 17)
+    rng = np.random.default_rng(block)
+    src = rng.permutation(4 * n)[:n] * block
+    dst = rng.permutation(4 * n)[:n] * block
+    dst[n // 2 :: 7] = dst[n // 4 : n // 4 + len(dst[n // 2 :: 7])] + block // 2  # overlap earlier blocks
+    dst = np.minimum(dst, len(pair.b.buf) - block)
+    expected = pair.b.buf.copy()
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        expected[d : d + block] = pair.a.buf[s : s + block]
+    pairs_ = enumerate(zip(src.tolist(), dst.tolist(), strict=True))
+    wrs = [pair.write(i, s, block, d, signaled=i == n - 1) for i, (s, d) in pairs_]
+    assert wr_ids(pair.run(wrs)) == [n - 1]
+    assert digest(pair.b.buf) == digest(expected)
+
+    back = 2 * n * block  # READ the written blocks back into a fresh area, in the same order
+    reads = [pair.read(n + i, back + i * block, block, d, signaled=i == n - 1) for i, d in enumerate(dst.tolist())]
+    assert wr_ids(pair.run(reads)) == [2 * n - 1]
+    got = pair.a.buf[back : back + n * block].reshape(n, block)
+    assert all(np.array_equal(got[i], expected[d : d + block]) for i, d in enumerate(dst.tolist()))

@@ -138,14 +138,14 @@ def test_no_missed_wakeup_two_pairs_one_queue(pairs: PairFactory, backend_name: 
         peer.close()
 
 
-@pytest.mark.only_backends("tcp", reason="adds completions directly through the TCP completion queue's push()")
+@pytest.mark.only_backends("tcp", "mock", reason="adds completions directly through the software completion queue")
 def test_no_missed_wakeup_cq_level_race(backend_name: str) -> None:
-    from moriio_async.backends.tcp import TcpCompletionQueue
+    from moriio_async.backends.softcq import SoftCompletionQueue
 
     backend = open_backend(backend_name, make_options())
     try:
         cq = backend.create_cq(1024)
-        assert isinstance(cq, TcpCompletionQueue)
+        assert isinstance(cq, SoftCompletionQueue)
 
         class Owner:
             released = 0

@@ -12,17 +12,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from moriio_async.backends import open_backend
-from moriio_async.backends.base import QpState
+from moriio_async.backends.base import Backend, BackendOptions, QpState, QueuePair
 from moriio_async.backends.tcp import Hooks
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
 
-from .harness import WAIT, CqWaiter, PairFactory, dead_peer_deadline, make_options, statuses, wr_ids
+from .harness import IN_PROCESS_ONLY, WAIT, CqWaiter, PairFactory, dead_peer_deadline, make_options, statuses, wr_ids
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,6 +50,61 @@ def assert_peer_lost(wcs: list[WorkCompletion], posted: int, backend_name: str =
     assert sts[ok + 1 :] == [WcStatus.WR_FLUSH_ERR] * (posted - ok - 1)
 
 
+class RemotePeer:
+    """A passive target that can die: its own process (SIGKILL) where the backend crosses processes,
+    else (the mock) a backend in this process that is closed without ceremony, as a crash would."""
+
+    def __init__(self, backend_name: str, opts: BackendOptions, size: int) -> None:
+        self.backend_name = backend_name
+        self.opts = opts
+        self.size = size
+        self.proc: subprocess.Popen[str] | None = None
+        self.local: Backend | None = None
+
+    def connect(self, qp: QueuePair) -> dict[str, Any]:
+        """Connect ``qp`` to the peer; its endpoint and region (addr, rkey)."""
+        if self.backend_name in IN_PROCESS_ONLY:
+            self.local = backend = open_backend(self.backend_name, self.opts)
+            peer_qp = backend.create_qp(backend.create_cq(1024))
+            self.buf = np.zeros(self.size, np.uint8)
+            mr = backend.register_memory(memoryview(self.buf), Access.all())
+            peer_qp.connect(json.loads(json.dumps(dict(qp.endpoint()))))
+            peer = {"endpoint": dict(peer_qp.endpoint()), "addr": mr.addr, "rkey": mr.rkey}
+        else:
+            env_opts = {k: v for k, v in dataclasses.asdict(self.opts).items() if k != "extra"}
+            # Prepend: inside the guest PYTHONPATH already points at the cached pyverbs.
+            path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+            self.proc = proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.backends.peer_process", self.backend_name, json.dumps(env_opts),
+                 str(self.size)],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONPATH": path},
+            )  # fmt: skip
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(dict(qp.endpoint())) + "\n")
+            proc.stdin.flush()
+            assert select.select([proc.stdout], [], [], 60)[0], "the peer process did not answer"
+            peer = json.loads(proc.stdout.readline())
+        qp.connect(peer["endpoint"])
+        return peer
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+        elif self.local is not None:
+            self.local.close()
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.communicate()  # reaps it and closes the pipes
+        if self.local is not None:
+            self.local.close()
+
+
 def test_peer_killed_mid_batch(backend_name: str) -> None:
     opts = make_options(retry_timeout=1.0, sq_depth=32)
     backend = open_backend(backend_name, opts)
@@ -56,23 +112,9 @@ def test_peer_killed_mid_batch(backend_name: str) -> None:
     qp = backend.create_qp(cq)
     buf = np.ones(8 << 20, np.uint8)
     mr = backend.register_memory(memoryview(buf), Access.all())
-    env_opts = {k: v for k, v in dataclasses.asdict(opts).items() if k != "extra"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.backends.peer_process", backend_name, json.dumps(env_opts), str(len(buf))],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        # Prepend: inside the guest PYTHONPATH already points at the cached pyverbs.
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
-    )
+    remote = RemotePeer(backend_name, opts, len(buf))
     try:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(dict(qp.endpoint())) + "\n")
-        proc.stdin.flush()
-        assert select.select([proc.stdout], [], [], 60)[0], "the peer process did not answer"
-        peer = json.loads(proc.stdout.readline())
-        qp.connect(peer["endpoint"])
+        peer = remote.connect(qp)
         slots = len(buf) // CHUNK
 
         def wr(i: int) -> WorkRequest:
@@ -93,7 +135,7 @@ def test_peer_killed_mid_batch(backend_name: str) -> None:
                     qp.post_send([wr(posted + i) for i in range(room)])
                     posted += room
             if not killed_at and len(wcs) >= 40:
-                proc.send_signal(signal.SIGKILL)
+                remote.kill()
                 killed_at = time.monotonic()
             got = waiter.wait_some(timeout=WAIT)
             wcs += got
@@ -104,8 +146,7 @@ def test_peer_killed_mid_batch(backend_name: str) -> None:
         assert_peer_lost(wcs, posted, backend_name)
         assert qp.state == QpState.ERR
     finally:
-        proc.kill()
-        proc.communicate()  # reaps it and closes the pipes
+        remote.cleanup()
         qp.close()
         cq.close()
         backend.deregister_memory(mr)

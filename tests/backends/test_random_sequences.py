@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from moriio_async.status import Opcode, WcStatus
+from moriio_async.backends.base import MemoryRegion
+from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
 
 from .harness import Pair, PairFactory, digest, random_bytes
@@ -36,12 +37,16 @@ class Planned:
     status: WcStatus  # what the request does if it is reached before any failure
 
 
-def random_request(pair: Pair, rng: random.Random, wr_id: int, signaled: bool, bad: str) -> Planned:
+def random_request(
+    pair: Pair, rng: random.Random, wr_id: int, signaled: bool, bad: str, second: MemoryRegion
+) -> Planned:
+    """One request; its SGEs lie in A's main region or in ``second`` (so one request, and one
+    batch, may span two local regions)."""
     op = rng.choice([Opcode.RDMA_WRITE, Opcode.RDMA_READ])
     nsge = rng.randint(1, min(4, pair.a.qp.max_sge))
     lengths = [rng.randint(1, 4096) for _ in range(nsge)]
     area = SRC if op is Opcode.RDMA_WRITE else DST
-    sges = [pair.a.sge(area + rng.randrange(0, SIZE // 2 - n), n) for n in lengths]
+    sges = [pair.a.sge(area + rng.randrange(0, SIZE // 2 - n), n, rng.choice([pair.a.mr, second])) for n in lengths]
     remote = pair.b.mr.addr + rng.randrange(0, SIZE - sum(lengths))
     rkey, status = pair.b.mr.rkey, WcStatus.SUCCESS
     if bad == "rkey":
@@ -57,31 +62,34 @@ def random_request(pair: Pair, rng: random.Random, wr_id: int, signaled: bool, b
     return Planned(WorkRequest(wr_id, op, tuple(sges), remote, rkey, signaled), status)
 
 
-def apply(planned: list[Planned], local: np.ndarray, target: np.ndarray, base_a: int, base_b: int) -> None:
-    """The model's bytes: each successful request in posting order."""
+def apply(planned: list[Planned], local: dict[int, tuple[np.ndarray, int]], target: np.ndarray, base_b: int) -> None:
+    """The model's bytes: each successful request in posting order (``local``: lkey -> buffer, address)."""
     for p in planned:
         if p.status is not WcStatus.SUCCESS:
             return
         pos = p.wr.remote_addr - base_b
         for sge in p.wr.sges:
-            off = sge.addr - base_a
+            buf, base = local[sge.lkey]
+            off = sge.addr - base
             if p.wr.opcode is Opcode.RDMA_WRITE:
-                target[pos : pos + sge.length] = local[off : off + sge.length]
+                target[pos : pos + sge.length] = buf[off : off + sge.length]
             else:
-                local[off : off + sge.length] = target[pos : pos + sge.length]
+                buf[off : off + sge.length] = target[pos : pos + sge.length]
             pos += sge.length
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_random_stream_matches_the_rc_model(pairs: PairFactory, seed: int) -> None:
     rng = random.Random(seed)
     pair = pairs(SIZE, SIZE, sq_depth=32)
     pair.a.buf[:] = random_bytes(SIZE, seed + 100)
+    other = random_bytes(SIZE, seed + 200)
+    second = pair.a.register(other, Access.all())
     depth = pair.a.qp.max_send_wr
     total = 400
     bad_at = rng.randrange(total // 4, total) if seed % 3 else None
     bad_kind = BAD_KINDS[1 + seed % 4] if bad_at is not None else "none"
-    expect_local, expect_target = pair.a.buf.copy(), pair.b.buf.copy()
+    expect_local, expect_other, expect_target = pair.a.buf.copy(), other.copy(), pair.b.buf.copy()
 
     planned: list[Planned] = []
     got: list[WorkCompletion] = []
@@ -95,7 +103,7 @@ def test_random_stream_matches_the_rc_model(pairs: PairFactory, seed: int) -> No
             since_signal += 1
             signaled = rng.random() < 0.3 or since_signal >= depth // 2 or i == total - 1
             since_signal = 0 if signaled else since_signal
-            batch.append(random_request(pair, rng, i, signaled, bad_kind if i == bad_at else "none"))
+            batch.append(random_request(pair, rng, i, signaled, bad_kind if i == bad_at else "none", second))
         if batch:
             pair.a.qp.post_send([p.wr for p in batch])
             planned += batch
@@ -119,6 +127,8 @@ def test_random_stream_matches_the_rc_model(pairs: PairFactory, seed: int) -> No
     assert [(wc.wr_id, wc.status) for wc in got] == expected
     pair.waiter.expect_none(0.1)
 
-    apply(planned, expect_local, expect_target, pair.a.mr.addr, pair.b.mr.addr)
+    model = {pair.a.mr.lkey: (expect_local, pair.a.mr.addr), second.lkey: (expect_other, second.addr)}
+    apply(planned, model, expect_target, pair.b.mr.addr)
     assert digest(pair.b.buf) == digest(expect_target), "target bytes differ from the model"
     assert digest(pair.a.buf) == digest(expect_local), "initiator bytes differ from the model"
+    assert digest(other) == digest(expect_other), "initiator bytes (second region) differ from the model"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 
 import numpy as np
@@ -11,10 +12,10 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
-from moriio_async.backends.tcp import Fault, Hooks, TcpQueuePair, VendorErr
+from moriio_async.backends.tcp import Fault, Hooks, TcpQueuePair, VendorErr, iov
 from moriio_async.backends.tcp.wire import peer_progress
 from moriio_async.errors import InvalidArgument, MoriioError
-from moriio_async.status import Opcode, WcStatus
+from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import WorkRequest
 
 from .harness import WAIT, PairFactory, digest, make_options, statuses, wr_ids
@@ -139,20 +140,23 @@ def test_peer_progress_sees_acknowledged_bytes() -> None:
 def test_doorbell_writes_the_socket_would_not_take_finish_on_the_sender(
     pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """post_send writes small requests itself (MSG_DONTWAIT); a partial write is finished by the sender thread."""
+    """post writes small requests itself (MSG_DONTWAIT); a partial write is finished by the sender thread."""
     from moriio_async.backends.tcp import qp, sender
+    from moriio_async.backends.tcp.pairstate import PairState
 
     partial = []
 
-    def counting(q: TcpQueuePair, sock: socket.socket) -> None:
-        sender.send_inline(q, sock)
-        partial.append(q.tx_pending is not None)
+    def counting(st: PairState, sock: socket.socket) -> None:
+        sender.ring_locked(st, sock)
+        partial.append(st.tx_pending is not None)
 
-    monkeypatch.setattr(qp, "send_inline", counting)
+    monkeypatch.setattr(qp, "ring_locked", counting)
     pair = pairs(8 << 20, 8 << 20, sq_depth=64)
     active = pair.a.qp
     assert isinstance(active, TcpQueuePair)
-    active._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # type: ignore[union-attr]
+    sock = active.pair_state.sock
+    assert sock is not None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     pair.a.buf[:] = np.random.default_rng(3).integers(0, 256, len(pair.a.buf), dtype=np.uint8)
     chunk, n, done = 40 << 10, 200, 0
     posted = 0
@@ -167,3 +171,61 @@ def test_doorbell_writes_the_socket_would_not_take_finish_on_the_sender(
         done += len(wcs)
     assert any(partial), "the socket took every doorbell write whole: the partial path was not exercised"
     assert np.array_equal(pair.b.buf[: n * chunk], pair.a.buf[: n * chunk])
+
+
+def test_a_read_into_a_region_deregistered_while_queued_moves_no_byte(pairs: PairFactory) -> None:
+    """A READ whose local region is deregistered while it waits behind a stalled one: its payload
+    is drained, never written; it fails LOC_PROT_ERR (LOCAL_DEREGISTERED), the rest flush."""
+    stall = threading.Event()
+    entered = threading.Event()
+
+    class StallFirst(Hooks):
+        def on_request(self, qp_num: int, opcode: int, rkey: int, remote_addr: int, length: int) -> None:
+            if not entered.is_set():
+                entered.set()
+                stall.wait(WAIT)
+
+    pair = pairs()
+    pair.b.qp.hooks = StallFirst()  # type: ignore[attr-defined]
+    doomed = np.zeros(1 << 16, np.uint8)
+    mr = pair.a.register(doomed, Access.all())
+    pair.a.qp.post_send([pair.read(0, 0, 4096, 0)])  # held at the target
+    assert entered.wait(WAIT)
+    pair.a.qp.post_send([pair.read(1, 0, 1 << 16, 0, local_mr=mr), pair.read(2, 4096, 4096, 0)])
+    pair.a.deregister(mr)  # nothing pins it: the READ into it is only queued
+    stall.set()
+    wcs = pair.waiter.wait(3)
+    assert wr_ids(wcs) == [0, 1, 2]
+    assert statuses(wcs) == [WcStatus.SUCCESS, WcStatus.LOC_PROT_ERR, WcStatus.WR_FLUSH_ERR]
+    assert wcs[1].vendor_err == VendorErr.LOCAL_DEREGISTERED
+    time.sleep(0.05)
+    assert not doomed.any(), "a READ response landed in a deregistered region"
+
+
+def test_vectored_io_survives_partial_writes_and_reads() -> None:
+    """send_all/recv_all over iovec arrays of many blocks, with a send buffer far smaller than
+    the data: every partial call resumes at the right byte (advance), and prefix cuts exactly."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    lengths = rng.integers(0, 3000, 700).astype(np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
+    total = int(lengths.sum())
+    a, b = socket.socketpair()
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        send = iov.iovecs(len(lengths))
+        send[:, 0] = offsets + np.uint64(src.ctypes.data)
+        send[:, 1] = lengths
+        recv = iov.iovecs(len(lengths))
+        recv[:, 0] = offsets[::-1].copy() + np.uint64(dst.ctypes.data)  # scattered differently
+        recv[:, 1] = lengths[::-1]
+        cut = iov.prefix(recv, 0, total - 1)
+        assert int(cut[:, 1].sum()) == total - 1 and len(cut) <= len(recv)
+        writer = threading.Thread(target=iov.send_all, args=(a.fileno(), send, total))
+        writer.start()
+        iov.recv_all(b.fileno(), recv, total)
+        writer.join()
+    sent = np.concatenate([src[int(o) : int(o + n)] for o, n in zip(offsets, lengths, strict=True)])
+    got = np.concatenate([dst[int(o) : int(o + n)] for o, n in zip(offsets[::-1], lengths[::-1], strict=True)])
+    assert np.array_equal(sent, got)

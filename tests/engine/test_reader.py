@@ -11,7 +11,7 @@ import pytest
 
 from moriio_async.aio.cq_reader import CompletionReader
 from moriio_async.backends.base import CompletionQueue
-from moriio_async.backends.tcp.cq import TcpCompletionQueue
+from moriio_async.backends.softcq import SoftCompletionQueue
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import WorkCompletion
 
@@ -25,7 +25,7 @@ class NoSlots:
         pass
 
 
-class Queue(TcpCompletionQueue):
+class Queue(SoftCompletionQueue):
     """The software NIC's completion queue, fed directly by the test."""
 
     def __init__(self) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from moriio_async.backends.faults import Action, FaultPlan, FaultRule
+from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 
 from .model import ERRORS
 

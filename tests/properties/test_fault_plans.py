@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moriio_async import InvalidArgument, WcStatus
-from moriio_async.backends.faults import Action, FaultPlan, FaultRule, PlanHooks
-from moriio_async.backends.tcp import Fault
+from moriio_async.backends.tcp import Fault, PlanHooks
+from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.status import Opcode
 from moriio_async.work import Sge, WorkRequest
 

@@ -18,15 +18,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moriio_async import IOEngine, IOEngineConfig
-from moriio_async.backends.faults import Action, FaultPlan, PlanHooks
-from moriio_async.cli.faults import install_hooks, pattern, run_batch
+from moriio_async import IOEngine
+from moriio_async.backends.tcp import PlanHooks
+from moriio_async.cli.faults import pattern, run_batch, tcp_config
+from moriio_async.core.faultplan import Action, FaultPlan
 
 from ..conftest import engine_backends
 from .conftest import slow_examples
 from .plans import expected, in_posting_order, listed_as, plans
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "fault_plans").glob("*.json"))
+PLANS = {path: FaultPlan.loads(path.read_text()) for path in EXAMPLES}
 N = 8
 TIMEOUT = 1.0
 RETRY = 0.5
@@ -37,12 +39,12 @@ needs_tcp = pytest.mark.skipif("tcp" not in engine_backends(), reason="needs the
 
 async def in_process(plan: FaultPlan, *, n: int, timeout: float, retry: float, op: str = "write") -> Any:
     """Run the command's batch here: two TCP engines, the plan's halves hooked into each."""
-    cfg = IOEngineConfig(backend="tcp", retry_timeout=retry)
     target_hooks = PlanHooks(plan.side(target=True))
     initiator_hooks = PlanHooks(plan.side(target=False))
-    async with IOEngine("faults-target", cfg) as target, IOEngine("faults-initiator", cfg) as initiator:
-        install_hooks(target, target_hooks)
-        install_hooks(initiator, initiator_hooks)
+    async with (
+        IOEngine("faults-target", tcp_config(target_hooks, retry_timeout=retry)) as target,
+        IOEngine("faults-initiator", tcp_config(initiator_hooks, retry_timeout=retry)) as initiator,
+    ):
         target.register_memory(pattern(n * 4096), name="kv")
         try:
             return await run_batch(
@@ -85,7 +87,7 @@ def check_properties(outcomes: list[str], listed: list[str | None], elapsed: flo
 async def test_example_plans_show_the_same_outcomes_from_the_command_line_and_in_process(path: Path) -> None:
     """Each example plan gives, from `moriio-async faults` (two processes) and in this process, the
     outcomes its one rule implies."""
-    plan = FaultPlan.load(path)
+    plan = PLANS[path]
     want = expected(plan, N, timeout=TIMEOUT, retry_timeout=RETRY)
     events = cli_example(path)
     got = [e["outcome"] for e in events if e["event"] == "transfer"]
@@ -120,7 +122,7 @@ def test_fault_plans_across_two_processes_keep_deadline_ordering_and_accounting(
     """The same across two processes and real sockets, where a plan may also kill the target
     process: the deadline, posting order and exact accounting hold from the command line's view."""
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    plan.dump(path)
+    path.write_text(plan.dumps())
     events = cli(path, "--transfers", "6", "--timeout", "1.0", "--retry-timeout", "0.5")
     transfers = [e for e in events if e["event"] == "transfer"]
     summary = next(e for e in events if e["event"] == "summary")

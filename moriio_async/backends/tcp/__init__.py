@@ -1,18 +1,20 @@
 """The software TCP backend: a verbs-shaped NIC emulated with threads and sockets.
 
-Modules, one noun each: ``wire`` (headers and zero-copy socket loops),
-``regions`` (the region table and a NIC's checks), ``cq`` (completion queue
-with an eventfd channel), ``qp`` (queue-pair state, slots, in-order
-completion), ``sender`` and ``receiver`` (the active side's two threads),
-``responder`` (the passive side's thread), ``hooks`` (fault-injection seams),
-``backend`` (TcpBackend and its listener).
+Modules, one noun each: ``wire`` (the format), ``iov`` (vectored socket I/O
+over iovec arrays), ``regions`` (the region table and a NIC's checks, over
+whole arrays), ``pairstate`` (a queue pair's locked state: spans, chunks,
+counters, in-order completion, the move to ERR), ``sender`` and ``receiver``
+(the active side's two threads), ``responder`` (serving one accepted
+connection), ``listener`` (the data port and the rendezvous), ``qp`` and
+``backend`` (the contract's faces), ``hooks`` and ``faults`` (fault-injection
+seams, and fault plans applied at them).
 """
 
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
 from .backend import TcpBackend
-from .cq import TcpCompletionQueue
+from .faults import PlanHooks
 from .hooks import Fault, Hooks
 from .qp import TcpQueuePair
 from .regions import TcpRegion
@@ -21,8 +23,8 @@ from .wire import VendorErr
 __all__ = [
     "Fault",
     "Hooks",
+    "PlanHooks",
     "TcpBackend",
-    "TcpCompletionQueue",
     "TcpQueuePair",
     "TcpRegion",
     "VendorErr",

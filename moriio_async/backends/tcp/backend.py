@@ -1,37 +1,35 @@
-"""TcpBackend: a software NIC over TCP, and its data-plane listener.
+"""TcpBackend: a software NIC over TCP.
 
-Threads, per backend: one accept thread; per active queue pair: a sender and
-a receiver (``sender.py``, ``receiver.py``); per accepted connection: one responder
-(``responder.py``). None of them touches asyncio, so a peer serves one-sided
-reads and writes of its memory while its event loop is busy or blocked. The
-posting thread itself writes small requests when the sender is idle (the
-doorbell); every copy of payload bytes happens inside a socket call, with
-the GIL released.
+Threads, per backend: the listener's accept thread and one thread per
+accepted connection (``listener.py``, ``responder.py``); per active queue
+pair: a sender and a receiver (``sender.py``, ``receiver.py``). None of them
+touches asyncio, so a peer serves one-sided reads and writes of its memory
+while its event loop is busy or blocked. The posting thread itself writes
+READs and small WRITEs when the sender is idle (the doorbell); every copy of
+payload bytes happens inside a socket call, with the GIL released.
+
+Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
+``hooks`` (a ``Hooks``) or ``fault_plan`` (a ``FaultPlan``) for fault injection.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
-import socket
 import threading
 from typing import Any, ClassVar
 
-from ...errors import BackendUnavailable, EngineClosed, InvalidArgument
+from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
-from .cq import TcpCompletionQueue
+from ..softcq import SoftCompletionQueue
+from .faults import hooks_from
 from .hooks import Hooks
+from .listener import Listener
 from .qp import MAX_SEND_WR, MAX_SGE, TcpQueuePair
 from .regions import RegionTable
-from .responder import Responder
+from .wire import VERSION
 
 __all__ = ["TcpBackend"]
-
-log = logging.getLogger("moriio_async.tcp")
-
-_WILDCARDS = ("", "0.0.0.0", "::")
 
 
 class TcpBackend(Backend):
@@ -39,35 +37,23 @@ class TcpBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
-        self.hooks: Hooks | None = None
-        """Fault-injection hooks given to queue pairs created from now on (see ``hooks.py``)."""
+        self.hooks: Hooks | None = hooks_from(options.extra)
+        """Fault-injection hooks given to every queue pair created (see ``hooks.py``)."""
         self.regions = RegionTable()
         self._lock = threading.Lock()
         self._closed = False
         self._qp_numbers = itertools.count(0x10)
         self._qps: dict[int, TcpQueuePair] = {}
-        self._waiting: dict[bytes, TcpQueuePair] = {}  # token -> passive pair expecting a dial
-        self._responders: set[Responder] = set()
-        self._cqs: list[TcpCompletionQueue] = []
-        family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind((options.host, 0))
-            self._listener.listen(128)
-            self.port: int = self._listener.getsockname()[1]
-            # Peers dial what endpoint() says: a wildcard bind advertises this host's address.
-            wildcard = options.host in _WILDCARDS
-            self.host = socket.gethostbyname(socket.gethostname()) if wildcard else options.host
-        except OSError as exc:
-            self._listener.close()
-            raise BackendUnavailable(
-                f"tcp backend: cannot listen on {options.host!r}: {exc}",
-                hint="set BackendOptions.host (IOEngineConfig.host) to an address of this machine",
-            ) from exc
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"moriio-tcp-accept-{self.port}")
-        self._accept_thread.daemon = True
-        self._accept_thread.start()
+        self._cqs: list[SoftCompletionQueue] = []
+        self.listener = Listener(options)
+
+    @property
+    def host(self) -> str:
+        return self.listener.host
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
 
     # -- the contract -----------------------------------------------------------------
 
@@ -83,17 +69,18 @@ class TcpBackend(Backend):
 
     def create_cq(self, depth: int) -> CompletionQueue:
         self._check_open()
-        cq = TcpCompletionQueue(depth)
+        cq = SoftCompletionQueue(depth)
         with self._lock:
             self._cqs.append(cq)
         return cq
 
     def create_qp(self, cq: CompletionQueue) -> QueuePair:
-        if not isinstance(cq, TcpCompletionQueue):
+        if not isinstance(cq, SoftCompletionQueue):
             raise InvalidArgument("a tcp queue pair needs a tcp completion queue")
         with self._lock:
             self._check_open()
-            qp = TcpQueuePair(self, cq, next(self._qp_numbers) & 0xFFFFFF, self.options)
+            qp_num = next(self._qp_numbers) & 0xFFFFFF
+            qp = TcpQueuePair(qp_num, cq, self.regions, self.listener, self.options, self.hooks, self._forget)
             self._qps[qp.qp_num] = qp
         return qp
 
@@ -102,10 +89,11 @@ class TcpBackend(Backend):
             "backend": "tcp",
             "host": self.host,
             "data_port": self.port,
+            "wire_version": VERSION,
             "sq_depth": max(1, min(self.options.sq_depth, MAX_SEND_WR)),
             "max_sge": max(1, min(self.options.max_sge, MAX_SGE)),
             "retry_timeout": self.options.retry_timeout,
-            "threads": "accept 1; per active qp: send + recv; per passive qp: 1 responder",
+            "threads": "accept 1; per active qp: send + recv; per accepted connection: 1",
         }
 
     def close(self) -> None:
@@ -115,60 +103,17 @@ class TcpBackend(Backend):
             self._closed = True
             qps = list(self._qps.values())
             cqs = list(self._cqs)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        self._accept_thread.join()
-        self._listener.close()
         for qp in qps:
             qp.close()  # flushes what is outstanding, joins its threads
-        with self._lock:
-            responders = list(self._responders)
-        for r in responders:
-            r.stop()
-        for r in responders:
-            r.thread.join()
+        self.listener.close()
         for cq in cqs:
             cq.close()
         self.regions.clear()
 
-    # -- used by queue pairs and responders ---------------------------------------------
-
-    def expect(self, token: bytes, qp: TcpQueuePair) -> None:
-        with self._lock:
-            self._waiting[token] = qp
-
-    def claim(self, token: bytes) -> TcpQueuePair | None:
-        """The passive pair a dial's token names (each token is good for one dial)."""
-        with self._lock:
-            return self._waiting.pop(token, None)
-
-    def forget(self, qp: TcpQueuePair) -> None:
+    def _forget(self, qp: TcpQueuePair) -> None:
         with self._lock:
             self._qps.pop(qp.qp_num, None)
-            self._waiting.pop(qp.token, None)
-
-    def responder_finished(self, responder: Responder) -> None:
-        with self._lock:
-            self._responders.discard(responder)
 
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed("the tcp backend is closed")
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _addr = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                log.warning("tcp backend port %d: accept failed: %s", self.port, exc)
-                threading.Event().wait(0.05)  # e.g. EMFILE: do not spin
-                continue
-            responder = Responder(self, conn)
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._responders.add(responder)
-            responder.start()

@@ -1,10 +1,13 @@
 """Seams for fault injection: the places a NIC thread asks "anything to do to this request?".
 
 A queue pair consults its ``hooks`` (``None`` by default: one attribute test
-on the hot path, nothing more). Set ``TcpBackend.hooks`` before creating
-queue pairs, or ``TcpQueuePair.hooks`` on one pair; a passive pair's hooks
-act on the requests it serves. Hooks run on NIC threads, outside every lock,
-so a hook may sleep (to delay) or block on an event (to stall) freely.
+on the hot path, nothing more). Give a backend hooks with
+``BackendOptions(extra={"hooks": hooks})`` (``IOEngineConfig(backend_extra=...)``;
+``{"fault_plan": plan}`` makes ``PlanHooks`` from a plan), or set
+``TcpQueuePair.hooks`` on one pair; a passive pair's hooks act on the requests
+it serves. A pair with hooks sends, and is answered, one request at a time.
+Hooks run on NIC threads, outside every lock, so a hook may sleep (to delay)
+or block on an event (to stall) freely.
 
 What each seam can do:
 
@@ -15,8 +18,8 @@ What each seam can do:
   delays this request and everything posted after it.
 * ``on_response`` (initiator, a response arrived, before it completes):
   sleep to delay the completion, return a ``WcStatus`` to complete with
-  instead, or ``Fault.DROP``. A pair with hooks asks the target to answer
-  every request (no coalesced acks), so this sees each one.
+  instead, or ``Fault.DROP``. A pair with hooks sends one request per chunk,
+  each answered on its own (no coalesced acks), so this sees each one.
 * ``on_request`` (target, before serving one request): block to stall the
   peer (stop answering, socket open; the initiator sees silence), or
   ``Fault.DROP`` to close the connection.

@@ -1,83 +1,77 @@
-"""The active side's receiver: responses off the wire, requests completed in order.
+"""The active side's receiver: responses off the wire, chunks completed in order.
 
-The receiver thread reads responses in order, scatters READ payloads straight
-into the local SGEs, and completes requests from the head of the pair's
-``inflight`` deque (a response also completes the unanswered successful
-WRITEs before it: acks are coalesced). It blocks in socket calls with the
-GIL released and exits when the pair leaves RTS (the error path shuts the
-socket down, which wakes it).
+A response completes a range of the head chunk at once (``PairState.complete_locked``).
+WRITE responses are headers only, so several are read with one ``recv``. A READ
+chunk's one response is its header followed by the payloads of the requests
+that succeeded: header and payloads land with one ``recvmsg`` straight into the
+local SGEs, with the chunk's local regions pinned. The thread blocks in socket
+calls with the GIL released and exits when the pair leaves RTS (the error path
+shuts the socket down, which wakes it).
 """
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ...status import Opcode, WcStatus
+from ...work import WorkRequest
 from ..base import QpState
 from .hooks import Fault
-from .regions import TcpRegion
-from .wire import RESPONSE, PeerGone, VendorErr, advance, drain, peer_progress, recv_exact, recv_scatter
-
-if TYPE_CHECKING:
-    from .qp import Entry, TcpQueuePair
+from .iov import address, advance, advance_buffers, iovecs, prefix, recv_all, recv_buffers, recv_exact, recvmsg
+from .pairstate import Chunk, PairState
+from .wire import RESPONSE, PeerGone, VendorErr, peer_progress
 
 __all__ = ["recv_loop"]
 
-LOOKAHEAD = 64  # responses read with one recv when they are all WRITE acks
+LOOKAHEAD = 64  # WRITE responses read with one recv
 SCRATCH = 1 << 16
 
 _RTS = QpState.RTS
+_WAITALL = int(socket.MSG_WAITALL)
 _WRITE = int(Opcode.RDMA_WRITE)
-_READ = int(Opcode.RDMA_READ)
+_SIZE = RESPONSE.size
+Response = tuple[int, int, int, int, int, int, int]  # opcode, status, vendor, seq, done, reserved, payload
 
 
-def recv_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
-    size = RESPONSE.size
-    unpack = RESPONSE.unpack_from
-    buf = bytearray(size * LOOKAHEAD)
+def recv_loop(st: PairState, sock: socket.socket) -> None:
+    buf = bytearray(_SIZE * LOOKAHEAD)
     view = memoryview(buf)
+    header = np.zeros(_SIZE, dtype=np.uint8)
     scratch = memoryview(bytearray(SCRATCH))
     while True:
-        with qp.lock:
-            inflight = qp.inflight
-            while not inflight and qp.state == _RTS:
-                qp.recv_cv.wait()
-            if qp.state != _RTS:
+        with st.lock:
+            wire = st.wire
+            while st.state == _RTS and not (wire and wire[0].sent):
+                st.recv_cv.wait()
+            if st.state != _RTS:
                 return
-            # Read several responses at once only while they are WRITE acks: a READ's
-            # payload follows its header, and must go straight into its SGEs. Count
-            # only requests that will be answered (never read past a READ's header).
-            n = 0
-            first: Entry | None = None
-            for e in inflight:
-                if e.acked or not e.sent:
-                    first = first or e
+            head = wire[0]
+            n = 1
+            if not head.is_read:  # count the sent WRITE chunks that answer before anything else
+                while n < min(len(wire), LOOKAHEAD) and (c := wire[n]).sent and not c.is_read and c.preset is None:
                     n += 1
-                    if e.is_read or not e.sent or n == LOOKAHEAD:
-                        break
         try:
-            if n == 1 and first is not None and first.is_read and first.sent:
-                # The next response is this READ's (or a failure, after which nothing
-                # follows): header and payload in one scatter read.
-                done = _recv_read_response(qp, sock, first, view[:size])
-                if done is None:
+            if head.is_read:
+                if not _read_chunk(st, sock, head, header, scratch):
                     return
-                if done:
-                    if not _on_response(qp, sock, scratch, *unpack(buf), payload_done=True):
-                        return
-                    continue
-            got = _recv_headers(sock, view, max(n, 1) * size, size)
-            for i in range(got // size):
-                if not _on_response(qp, sock, scratch, *unpack(buf, i * size)):
+                continue
+            got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
+            if got % _SIZE:
+                recv_exact(sock, view[got : got + _SIZE - got % _SIZE])
+                got += _SIZE - got % _SIZE
+            for i in range(got // _SIZE):
+                if not _on_write_response(st, RESPONSE.unpack_from(buf, i * _SIZE)):
                     return
         except PeerGone as exc:
-            qp.peer_lost(exc.vendor)
+            st.peer_lost(exc.vendor)
             return
 
 
-def _first_recv(sock: socket.socket, call: Callable[[], int]) -> int:
+def _patient(sock: socket.socket, call: Callable[[], int]) -> int:
     """Run one receive call that waits for the peer's next response; at least one byte.
 
     On a receive timeout (retry_timeout with nothing) a peer still taking in a
@@ -100,139 +94,146 @@ def _first_recv(sock: socket.socket, call: Callable[[], int]) -> int:
         return got
 
 
-def _recv_headers(sock: socket.socket, view: memoryview, limit: int, size: int) -> int:
-    """Read at least one whole response header, at most ``limit`` bytes; a whole number of headers."""
-    got = _first_recv(sock, lambda: sock.recv_into(view, limit))
-    partial = got % size
-    if partial:
-        recv_exact(sock, view[got : got + size - partial])
-        got += size - partial
-    return got
+def _valid(head: Chunk, r: Response) -> bool:
+    op, status, _vendor, seq, done, _reserved, payload = r
+    if op != head.opcode or seq != head.wire_seq(head.next) or done > head.hi - head.next:
+        return False
+    if status and done == head.hi - head.next:
+        return False  # the failed request must be one of the chunk's
+    if not status and done != head.hi - head.next and (head.is_read or not done):
+        return False  # a success covers something; a READ chunk is answered whole
+    expect = _payload(head, head.next, head.next + done) if head.is_read else 0
+    return payload == expect
 
 
-def _recv_read_response(qp: TcpQueuePair, sock: socket.socket, e: Entry, header: memoryview) -> bool | None:
-    """Receive READ ``e``'s response header into ``header`` and its payload into its SGEs.
-
-    True: the header is in ``header`` and, if it announces ``e``'s payload, the
-    payload has landed. False: a local region is gone, nothing was read (the
-    caller takes the ordinary path, which drains the payload). None: the pair
-    left RTS. Raises PeerGone.
-    """
-    size = len(header)
-    with qp.rx_lock:
-        if qp.state != _RTS:
-            return None
-        pinned: list[TcpRegion] = []
-        try:
-            for region in e.regions:
-                if not region.pin():
-                    return False
-                pinned.append(region)
-            buffers = [header, *e.views]
-            got = _first_recv(sock, lambda: sock.recvmsg_into(buffers)[0])
-            if got < size:
-                recv_exact(sock, header[got:])
-                got = size
-            op, status, _vendor, seq, length = RESPONSE.unpack_from(header)
-            if not status and op == _READ and seq == e.seq and length == e.length:
-                if got - size < length:
-                    recv_scatter(sock, advance(e.views, got - size), length - (got - size))
-            elif got > size:
-                # Payload bytes after a failure or a response that is not e's: the peer
-                # broke the protocol; _on_response fails the pair on the header.
-                RESPONSE.pack_into(header, 0, 0xFF, 0, 0, 0, 0)
-        finally:
-            for region in pinned:
-                region.unpin()
-    return True
+def _payload(chunk: Chunk, a: int, b: int) -> int:
+    lengths = chunk.batch.length
+    return lengths.item(a) if b == a + 1 else int(lengths[a:b].sum())
 
 
-def _on_response(
-    qp: TcpQueuePair,
-    sock: socket.socket,
-    scratch: memoryview,
-    op: int,
-    status: int,
-    vendor: int,
-    seq: int,
-    length: int,
-    *,
-    payload_done: bool = False,
-) -> bool:
-    """Complete the request ``seq`` names, and the unanswered WRITEs before it; False to stop.
-
-    ``payload_done``: a READ's payload was already received with its header.
-    """
-    with qp.lock:
-        if qp.state != _RTS:
+def _on_write_response(st: PairState, r: Response) -> bool:
+    """Complete what a WRITE chunk's response covers; False to stop."""
+    _op, status, vendor, _seq, done, _reserved, _payload_bytes = r
+    with st.lock:
+        if st.state != _RTS:
             return False
-        inflight = qp.inflight
-        head = inflight[0] if inflight else None
-        while head is not None and head.seq != seq:
-            # Answered out of turn? Only a WRITE that asked for no answer may be passed:
-            # it succeeded, since the target runs requests in order and answers failures.
-            if head.preset is not None or not head.sent or head.acked:
-                head = None
-                break
-            inflight.popleft()
-            qp.complete_ok_locked(head)
-            qp.drain_presets_locked()
-            head = inflight[0] if inflight else None
-        if head is None or op != head.wr.opcode:
-            qp.fail_locked(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
+        head = st.wire[0] if st.wire else None
+        if head is None or head.preset is not None or not head.sent or head.is_read or not _valid(head, r):
+            st.fail_locked(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
             return False
-        if not status and (op == _WRITE or payload_done) and qp.hooks is None:
-            # The hot path: a WRITE ack, or a READ whose payload has landed (checked by
-            # _recv_read_response), completed under the one lock acquisition.
-            qp.inflight.popleft()
-            qp.complete_ok_locked(head)
-            qp.drain_presets_locked()
-            return qp.state == _RTS
-    if status:
-        wc_status, vendor = WcStatus.parse(status), vendor
-    else:
-        wc_status, vendor = WcStatus.SUCCESS, 0
-        if head.is_read:
-            if length != head.length:
-                qp.fail(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
+        hooks = st.hooks
+        if hooks is None:
+            if done:
+                st.complete_locked(head, done)
+            if status:
+                st.fail_locked(WcStatus.parse(status), vendor)
                 return False
-            err = None if payload_done else _recv_read_payload(qp, sock, head, scratch)
-            if err is not None:
-                wc_status, vendor = WcStatus.LOC_PROT_ERR, err
-    hooks = qp.hooks
+            st.complete_presets_locked()
+            return st.state == _RTS
+        wr = head.batch.request(head.next)  # a hooked pair's chunks hold one request
+    return _hooked(st, head, wr, status, vendor)
+
+
+def _hooked(st: PairState, head: Chunk, wr: WorkRequest, status: int, vendor: int) -> bool:
+    """A hooked pair: ``on_response`` sees the one request's outcome and may change it."""
+    hooks = st.hooks
+    wc_status, err = (WcStatus.parse(status), vendor) if status else (WcStatus.SUCCESS, 0)
     if hooks is not None:
-        verdict = hooks.on_response(qp.qp_num, head.wr, wc_status)
+        verdict = hooks.on_response(st.qp_num, wr, wc_status)
         if verdict is Fault.DROP:
-            qp.peer_lost(VendorErr.HOOK)
+            st.peer_lost(VendorErr.HOOK)
             return False
         if isinstance(verdict, WcStatus):
-            wc_status, vendor = verdict, (0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
-    with qp.lock:
-        if qp.state != _RTS:
+            wc_status, err = verdict, (0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
+    with st.lock:
+        if st.state != _RTS:
             return False  # flushed meanwhile (to_error, close)
         if wc_status is not WcStatus.SUCCESS:
-            qp.fail_locked(wc_status, vendor)
+            st.fail_locked(wc_status, err)
             return False
-        qp.inflight.popleft()
-        qp.complete_ok_locked(head)
-        qp.drain_presets_locked()
-        return qp.state == _RTS
+        st.complete_locked(head, head.hi - head.next)
+        st.complete_presets_locked()
+        return st.state == _RTS
 
 
-def _recv_read_payload(qp: TcpQueuePair, sock: socket.socket, e: Entry, scratch: memoryview) -> VendorErr | None:
-    """Scatter a READ response into ``e``'s SGEs; drain it if a local region died meanwhile."""
-    with qp.rx_lock:
-        if qp.state != _RTS:
-            raise PeerGone(VendorErr.PEER_CLOSED)  # flushed: the error path is waiting for us
-        pinned: list[TcpRegion] = []
+def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndarray, scratch: memoryview) -> bool:
+    """Receive a READ chunk's response (header, then payloads into the local SGEs) and complete it."""
+    local, scatter, views = head.local, head.iov, head.views
+    assert local is not None
+    fd = sock.fileno()
+    lost: int | None = None  # the request a deregistered local region makes fail
+    with st.rx_lock:
+        if st.state != _RTS:
+            return False
+        local.pin(VendorErr.LOCAL_DEREGISTERED)
+        nsge = len(views) if views is not None else len(scatter) if scatter is not None else 0
         try:
-            for region in e.regions:
-                if not region.pin():
-                    drain(sock, e.length, scratch)
-                    return VendorErr.LOCAL_DEREGISTERED
-                pinned.append(region)
-            recv_scatter(sock, e.views, e.length)
+            if local.first_bad >= nsge:  # the common case (all alive): header and payloads in one call
+                if views is not None:  # one request: the socket module's call, a view per SGE
+                    buffers = [header.data, *views]
+                    got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
+                else:
+                    assert scatter is not None
+                    iov = iovecs(1 + nsge)
+                    iov[0] = (address(header), _SIZE)
+                    iov[1:] = scatter
+                    got = _patient(sock, lambda: recvmsg(fd, iov))
+                _finish_header(sock, header, got)
+                r: Response = RESPONSE.unpack_from(header.data)
+                with st.lock:
+                    ok = st.state == _RTS and _valid(head, r)
+                left = r[6] - max(0, got - _SIZE)
+                if ok and left > 0:
+                    if views is not None:
+                        recv_buffers(sock, advance_buffers(buffers, got), left)
+                    else:
+                        start = advance(iov, 0, got)
+                        recv_all(fd, prefix(iov, start, left), left)
+            else:  # a local region died after the chunk was sent: drain what it would have received
+                got = _patient(sock, lambda: sock.recv_into(header.data, _SIZE, _WAITALL))
+                _finish_header(sock, header, got)
+                r = RESPONSE.unpack_from(header.data)
+                starts = head.batch.sge_start
+                a = int(starts[head.lo])
+                lost = int(np.searchsorted(starts[head.lo : head.hi + 1], a + local.first_bad, side="right")) - 1
+                with st.lock:
+                    ok = st.state == _RTS and _valid(head, r)
+                if ok:
+                    keep = _payload(head, head.lo, head.lo + min(lost, r[4])) if min(lost, r[4]) else 0
+                    if keep:
+                        assert scatter is not None  # a one-request chunk keeps nothing when its region is gone
+                        recv_all(fd, prefix(scatter, 0, keep), keep)
+                    _drain(sock, r[6] - keep, scratch)
         finally:
-            for region in pinned:
-                region.unpin()
-    return None
+            local.unpin()
+    if not ok:
+        st.fail(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
+        return False
+    _op, status, vendor, _seq, done, _reserved, _p = r
+    if lost is not None and lost < done:
+        done, status, vendor = lost, int(WcStatus.LOC_PROT_ERR), int(VendorErr.LOCAL_DEREGISTERED)
+    if st.hooks is not None:
+        return _hooked(st, head, head.batch.request(head.next), status, vendor)
+    with st.lock:
+        if st.state != _RTS:
+            return False
+        if done:
+            st.complete_locked(head, done)
+        if status:
+            st.fail_locked(WcStatus.parse(status), vendor)
+            return False
+        st.complete_presets_locked()
+        return st.state == _RTS
+
+
+def _finish_header(sock: socket.socket, header: np.ndarray, got: int) -> None:
+    if got < _SIZE:
+        recv_exact(sock, header.data[got:])
+
+
+def _drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+    """Read and discard ``nbytes`` without touching any region."""
+    while nbytes > 0:
+        chunk = scratch[: min(nbytes, len(scratch))]
+        recv_exact(sock, chunk)
+        nbytes -= len(chunk)

@@ -15,14 +15,21 @@ from __future__ import annotations
 import ctypes
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 from ...errors import InvalidArgument
 from ...status import Access, Opcode
 from ..base import MemoryRegion
 from .wire import VendorErr
 
-__all__ = ["RegionTable", "TcpRegion"]
+__all__ = ["Checked", "RegionTable", "TcpRegion", "unpin_all"]
+
+U32 = npt.NDArray[np.uint32]
+U64 = npt.NDArray[np.uint64]
 
 
 @dataclass(eq=False, slots=True)
@@ -34,28 +41,30 @@ class TcpRegion(MemoryRegion):
     can_remote_read: bool = False
     live: bool = True
     pins: int = 0
-    cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    drained: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def pin(self) -> bool:
         """Hold the region alive for one socket call; False when it was deregistered."""
-        with self.cond:
+        with self.lock:
             if not self.live:
                 return False
             self.pins += 1
             return True
 
     def unpin(self) -> None:
-        with self.cond:
+        with self.lock:
             self.pins -= 1
             if not self.pins and not self.live:
-                self.cond.notify_all()
+                self.drained.set()
 
     def kill(self) -> None:
         """Mark dead, then wait until no socket call touches the buffer any more."""
-        with self.cond:
+        with self.lock:
             self.live = False
-            while self.pins:
-                self.cond.wait()
+            if not self.pins:
+                return
+        self.drained.wait()
 
 
 def address_of(view: memoryview) -> int:
@@ -120,28 +129,154 @@ class RegionTable:
         for region in regions:
             region.kill()
 
-    def check_remote(self, opcode: int, rkey: int, addr: int, length: int) -> TcpRegion | VendorErr:
-        """The target's checks; success gives the region, already pinned (``addr`` is inside it)."""
-        region = self.by_rkey.get(rkey)
-        if region is None:
-            return VendorErr.UNKNOWN_RKEY
-        offset = addr - region.addr
-        if offset < 0 or offset + length > region.length:
-            return VendorErr.REMOTE_OUT_OF_BOUNDS
-        if not (region.can_remote_write if opcode == Opcode.RDMA_WRITE else region.can_remote_read):
-            return VendorErr.REMOTE_NO_ACCESS
-        if not region.pin():
-            return VendorErr.REMOTE_DEREGISTERED
-        return region
+    def check_local(self, lkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
+        """The initiator's checks on local SGEs (``write``: the NIC writes them, as a READ does). Pins nothing."""
+        return _check(self.by_lkey, lkeys, addrs, lengths, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
+                      VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
 
-    def check_local(self, lkey: int, addr: int, length: int, write: bool) -> TcpRegion | VendorErr:
-        """The initiator's checks for one SGE (``write``: the NIC writes it, as a READ does). Pins nothing."""
-        region = self.by_lkey.get(lkey)
-        if region is None or not region.live:
-            return VendorErr.UNKNOWN_LKEY
-        offset = addr - region.addr
-        if offset < 0 or length < 0 or offset + length > region.length:
-            return VendorErr.LOCAL_OUT_OF_BOUNDS
-        if write and not region.can_local_write:
-            return VendorErr.LOCAL_NO_ACCESS
-        return region
+    def check_remote(self, opcode: int, rkeys: U32, addrs: U64, lengths: U64) -> Checked:
+        """The target's checks on a chunk's remote ranges, with the regions of the requests before
+        the first failure pinned (one deregistered meanwhile fails there as REMOTE_DEREGISTERED)."""
+        write = opcode == Opcode.RDMA_WRITE
+        allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
+        checked = _check(self.by_rkey, rkeys, addrs, lengths, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
+                         VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
+        checked.pin(VendorErr.REMOTE_DEREGISTERED)
+        return checked
+
+    def check_local_one(self, lkey: int, addr: int, length: int, write: bool) -> Checked:
+        """``check_local`` for one SGE, on plain integers."""
+        return _check_one(self.by_lkey, lkey, addr, length, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
+                          VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
+
+    def check_remote_one(self, opcode: int, rkey: int, addr: int, length: int) -> Checked:
+        """``check_remote`` for one request, on plain integers (pinned likewise)."""
+        write = opcode == Opcode.RDMA_WRITE
+        allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
+        checked = _check_one(self.by_rkey, rkey, addr, length, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
+                             VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
+        checked.pin(VendorErr.REMOTE_DEREGISTERED)
+        return checked
+
+
+@dataclass(slots=True)
+class Checked:
+    """Blocks checked at once: the first that failed (``first_bad``; their count when none did)
+    and why; block ``i`` lies in ``found[which[i]]``; ``pinned`` is what ``pin`` holds."""
+
+    first_bad: int
+    vendor: VendorErr
+    found: list[TcpRegion | None]
+    which: npt.NDArray[np.intp]
+    pinned: list[TcpRegion] = field(default_factory=list)
+
+    def used(self) -> list[tuple[int, TcpRegion]]:
+        """The regions (with their index in ``found``) that the blocks before the first failure use."""
+        if not self.first_bad:
+            return []
+        js = [0] if len(self.found) == 1 else np.unique(self.which[: self.first_bad]).tolist()
+        return [(j, r) for j in js if (r := self.found[j]) is not None]
+
+    def pin(self, dead: VendorErr) -> None:
+        """Pin every region in use; a region deregistered since the lookup fails the first block
+        that uses it with ``dead``, and what lies beyond that block is not pinned."""
+        if len(self.found) == 1:  # one region (the usual case): no bookkeeping
+            region = self.found[0]
+            if self.first_bad and region is not None:
+                if region.pin():
+                    self.pinned.append(region)
+                else:
+                    self.first_bad, self.vendor = 0, dead
+            return
+        for j, region in self.used():
+            if region.pin():
+                self.pinned.append(region)
+                continue
+            first_use = int(np.argmax(self.which == j)) if len(self.found) > 1 else 0
+            if first_use < self.first_bad:
+                self.first_bad, self.vendor = first_use, dead
+        if self.pinned and len(self.pinned) != len(still := self.used()):
+            keep = {id(r) for _, r in still}
+            for region in [r for r in self.pinned if id(r) not in keep]:
+                region.unpin()
+            self.pinned = [r for r in self.pinned if id(r) in keep]
+
+    def unpin(self) -> None:
+        unpin_all(self.pinned)
+
+
+_ZERO = np.zeros(1, dtype=np.intp)
+_ZERO.flags.writeable = False
+
+
+def unpin_all(regions: list[TcpRegion]) -> None:
+    for region in regions:
+        region.unpin()
+    regions.clear()
+
+
+def _check(
+    table: dict[int, TcpRegion],
+    keys: U32,
+    addrs: U64,
+    lengths: U64,
+    unknown: VendorErr,
+    out_of_bounds: VendorErr,
+    no_access: VendorErr,
+    allowed: Callable[[TcpRegion], bool],
+) -> Checked:
+    """Key to region, bounds and access for every block with a few array operations and one
+    dict lookup per distinct key (usually one)."""
+    n = len(keys)
+    if n == 1:  # one block: plain integers, no array work
+        return _check_one(table, keys.item(0), addrs.item(0), lengths.item(0), unknown, out_of_bounds, no_access,
+                          allowed)  # fmt: skip
+    if n and bool((keys == keys[0]).all()):
+        found = [table.get(keys.item(0))]
+        which = np.zeros(n, dtype=np.intp)
+    elif n:
+        uniq, which = np.unique(keys, return_inverse=True)
+        found = [table.get(k) for k in uniq.tolist()]
+    else:
+        return Checked(0, VendorErr.NONE, [], np.zeros(0, np.intp))
+    codes = [unknown if r is None else VendorErr.NONE if allowed(r) else no_access for r in found]
+    base: U64 | np.uint64
+    size: U64 | np.uint64
+    region_bad: npt.NDArray[np.bool_] | bool
+    if len(found) == 1:
+        only = found[0]
+        base, size = (np.uint64(0), np.uint64(0)) if only is None else (np.uint64(only.addr), np.uint64(only.length))
+        region_bad = codes[0] != VendorErr.NONE
+    else:
+        base = np.array([0 if r is None else r.addr for r in found], dtype=np.uint64)[which]
+        size = np.array([0 if r is None else r.length for r in found], dtype=np.uint64)[which]
+        region_bad = np.array([c != VendorErr.NONE for c in codes], dtype=np.bool_)[which]
+    offset = addrs - base  # wraps for addresses below the region: those fail addrs >= base
+    inside = (addrs >= base) & (offset <= size) & (lengths <= size - offset)
+    bad = ~inside | region_bad
+    first = int(np.argmax(bad)) if bool(bad.any()) else n
+    vendor = VendorErr.NONE
+    if first < n:
+        code = codes[int(which[first])]
+        vendor = unknown if code == unknown else out_of_bounds if not bool(inside[first]) else code
+    return Checked(first, vendor, found, which)
+
+
+def _check_one(
+    table: dict[int, TcpRegion],
+    key: int,
+    addr: int,
+    length: int,
+    unknown: VendorErr,
+    out_of_bounds: VendorErr,
+    no_access: VendorErr,
+    allowed: Callable[[TcpRegion], bool],
+) -> Checked:
+    region = table.get(key)
+    if region is None:
+        vendor = unknown
+    elif not (region.addr <= addr and length >= 0 and addr + length <= region.addr + region.length):
+        vendor = out_of_bounds
+    else:
+        vendor = VendorErr.NONE if allowed(region) else no_access
+    return Checked(0 if vendor else 1, vendor, [region], _ZERO)

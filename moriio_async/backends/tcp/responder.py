@@ -1,12 +1,14 @@
-"""The passive side: one thread per accepted data connection, playing the target's NIC.
+"""The passive side: serving one accepted data connection, playing the target's NIC.
 
-It checks the hello's token against the passive pairs waiting for a dial,
-then serves requests in order until the connection ends: a WRITE's payload is
-received straight into the target region, a READ's is sent straight from it.
-Every request is checked first (rkey, bounds, access, region alive); a
-violation touches no target byte (a rejected WRITE's payload is drained into
-a scratch buffer), answers REM_ACCESS_ERR, and ends service on the connection,
-as a verbs responder's QP enters the error state.
+Requests arrive as chunks (``wire.py``). A chunk's remote ranges are checked
+together (rkey, bounds, access, region alive: ``RegionTable.check_remote``)
+and its target regions pinned; a WRITE chunk's payloads are received with one
+``recvmsg`` per up to IOV_MAX blocks straight into the target regions, a READ
+chunk's response header and payloads go out with one ``sendmsg`` straight
+from them. A violation touches no target byte: the requests before it run,
+the response says REM_ACCESS_ERR for it, and service on the connection ends
+(the rest of the stream is drained), as a verbs responder's QP enters the
+error state.
 """
 
 from __future__ import annotations
@@ -14,31 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ...status import Opcode, WcStatus
-from .hooks import Fault
-from .wire import (
-    FLAG_ACK,
-    HELLO,
-    HELLO_ACK,
-    MAGIC,
-    REQUEST,
-    RESPONSE,
-    VERSION,
-    HelloStatus,
-    PeerGone,
-    VendorErr,
-    configure_data_socket,
-    drain,
-    recv_exact,
-    send_all,
-)
-
-if TYPE_CHECKING:
-    from .backend import TcpBackend
-    from .qp import TcpQueuePair
+from .hooks import Fault, Hooks
+from .iov import address, iovecs, recv_all, recv_exact, send_all, send_buffers
+from .pairstate import PairState
+from .wire import CHUNK, DESC, MAX_CHUNK, RESPONSE, SEQ_MASK, PeerGone, VendorErr
 
 __all__ = ["Responder"]
 
@@ -46,120 +33,153 @@ log = logging.getLogger("moriio_async.tcp")
 
 SCRATCH = 1 << 16
 _WRITE = int(Opcode.RDMA_WRITE)
+_WAITALL = int(socket.MSG_WAITALL)
 _READ = int(Opcode.RDMA_READ)
 _REM_ACCESS_ERR = int(WcStatus.REM_ACCESS_ERR)
+_FIRST = CHUNK.size + DESC.itemsize  # a chunk header and its first descriptor: read with one call
+_DESC1 = struct.Struct("<IIQQ")
 
 
 class Responder:
-    """Serves one accepted connection on its own thread."""
+    """One accepted connection: ``serve`` runs on the listener's thread for it; ``stop`` from anywhere."""
 
-    def __init__(self, backend: TcpBackend, sock: socket.socket) -> None:
-        self._backend = backend
-        self._sock = sock
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self._sock_lock = threading.Lock()  # stop() never races close() onto a reused fd
         self._stopped = False
-        self.qp: TcpQueuePair | None = None
-        self.thread = threading.Thread(target=self._run, name=f"moriio-tcp-resp-{backend.port}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
+        self.thread: threading.Thread | None = None
+        """The thread serving it (the listener's), joined by the pair's close."""
 
     def stop(self) -> None:
-        """Wake the thread and end service (from any thread)."""
+        """Wake the serving thread and end service (from any thread)."""
         with self._sock_lock:
             self._stopped = True
-            if self._sock.fileno() >= 0:
+            if self.sock.fileno() >= 0:
                 with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
+                    self.sock.shutdown(socket.SHUT_RDWR)
 
-    def _run(self) -> None:
-        try:
-            qp = self._handshake()
-            if qp is not None:
-                self._serve(qp)
-        except PeerGone:
-            pass
-        except BaseException:
-            log.exception("tcp responder on port %d failed", self._backend.port)
-        finally:
-            with self._sock_lock:
-                self._sock.close()
-            if self.qp is not None:
-                self.qp.responder_done()
-            self._backend.responder_finished(self)
+    def join(self) -> None:
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
 
-    def _handshake(self) -> TcpQueuePair | None:
-        sock = self._sock
-        options = self._backend.options
-        sock.settimeout(options.connect_timeout)
-        hello = bytearray(HELLO.size)
-        view = memoryview(hello)
-        try:
-            while view:
-                n = sock.recv_into(view)
-                if not n:
-                    return None
-                view = view[n:]
-            magic, version, _flags, token, _peer_qp = HELLO.unpack(hello)
-            if magic != MAGIC or version != VERSION:
-                sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_HELLO, 0))
-                return None
-            qp = self._backend.claim(token)
-            if qp is None or not qp.attach(self):
-                sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.UNKNOWN_TOKEN, 0))
-                return None
-            self.qp = qp
-            configure_data_socket(sock, options.retry_timeout)
-            sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, qp.qp_num))
-        except OSError:
-            return None
-        return qp
+    def close(self) -> None:
+        with self._sock_lock:
+            self.sock.close()
 
-    def _serve(self, qp: TcpQueuePair) -> None:
-        sock = self._sock
-        check = self._backend.regions.check_remote
-        header = bytearray(REQUEST.size)
-        header_view = memoryview(header)
+    def serve(self, st: PairState) -> None:
+        """Serve chunks in order until the connection ends or a request fails. Raises PeerGone."""
+        sock = self.sock
+        fd = sock.fileno()
+        first = bytearray(_FIRST)
+        first_view = memoryview(first)
+        descs = np.zeros(MAX_CHUNK, dtype=DESC)
+        desc_bytes = descs.data.cast("B")
+        reply = np.zeros(RESPONSE.size, dtype=np.uint8)
         scratch = memoryview(bytearray(SCRATCH))
-        unpack = REQUEST.unpack_from
-        pack = RESPONSE.pack
-        rsize = RESPONSE.size
-        while self._read_header(sock, header_view):
-            op, flags, _r16, seq, rkey, _r32, addr, length = unpack(header)
-            hooks = qp.hooks
-            if hooks is not None and (hooks.on_request(qp.qp_num, op, rkey, addr, length) is Fault.DROP):
+        while self._read_first(sock, first_view):
+            op, _flags, _r16, seq, count, _r32 = CHUNK.unpack_from(first)
+            if (op != _WRITE and op != _READ) or not 1 <= count <= MAX_CHUNK:
+                log.warning("tcp qp %d: malformed chunk (opcode %d, %d requests); closing", st.qp_num, op, count)
                 return
+            hooks = st.hooks
+            if count == 1 and (hooks is None or op == _READ):
+                if not self._serve_one(st, hooks, op, seq, scratch, *_DESC1.unpack_from(first, CHUNK.size)):
+                    return
+                continue
+            desc_bytes[: DESC.itemsize] = first_view[CHUNK.size :]
+            if count > 1:
+                recv_exact(sock, desc_bytes[DESC.itemsize : count * DESC.itemsize])
+            d = descs[:count]
+            if hooks is not None and op == _WRITE:
+                if not self._write_hooked(st, hooks, fd, seq, d, scratch):
+                    return
+                continue
             if self._stopped:
                 return
-            if op != _WRITE and op != _READ:
-                log.warning("tcp qp %d: unknown opcode %d from the peer; closing", qp.qp_num, op)
-                return
-            region = check(op, rkey, addr, length)
-            if isinstance(region, VendorErr):
+            checked = st.regions.check_remote(op, d["rkey"], d["addr"], d["length"])
+            done = checked.first_bad
+            try:
+                if hooks is not None:  # a READ chunk with hooks: every request it reaches, in order
+                    for i in range(min(done + 1, count)):
+                        rkey, _r, addr, length = (int(x) for x in d[i].tolist())
+                        if hooks.on_request(st.qp_num, op, rkey, addr, length) is Fault.DROP or self._stopped:
+                            return
+                status, vendor = (0, 0) if done == count else (_REM_ACCESS_ERR, int(checked.vendor))
                 if op == _WRITE:
-                    drain(sock, length, scratch)
-                send_all(sock, [pack(op, _REM_ACCESS_ERR, region, seq, 0)], rsize)
+                    _receive(fd, d, done)
+                    _send_small(sock, RESPONSE.pack(op, status, vendor, seq, done, 0, 0))
+                else:
+                    payload = _fill(d, done, iov := iovecs(1 + done), 1)
+                    RESPONSE.pack_into(reply.data, 0, op, status, vendor, seq, done, 0, payload)
+                    iov[0] = (address(reply), RESPONSE.size)
+                    send_all(fd, iov, RESPONSE.size + payload)
+            finally:
+                checked.unpin()
+            if done < count:
                 self._refuse_rest(sock, scratch)
                 return
-            offset = addr - region.addr
-            try:
-                if op == _WRITE:
-                    recv_exact(sock, region.view[offset : offset + length])
-                else:
-                    response = pack(op, 0, 0, seq, length)
-                    send_all(sock, [response, region.view[offset : offset + length]], rsize + length)
-            finally:
-                region.unpin()
-            if op == _WRITE and flags & FLAG_ACK:
-                send_all(sock, [pack(op, 0, 0, seq, length)], rsize)
 
-    def _read_header(self, sock: socket.socket, view: memoryview) -> bool:
-        """Wait for the next request header; False when the connection ended."""
+    def _serve_one(
+        self, st: PairState, hooks: Hooks | None, op: int, seq: int, scratch: memoryview, rkey: int, _r: int,
+        addr: int, length: int,
+    ) -> bool:  # fmt: skip
+        """A one-request chunk, with plain integers and the socket module's calls (a view of the
+        target range); False when service ends."""
+        sock = self.sock
+        if hooks is not None and hooks.on_request(st.qp_num, op, rkey, addr, length) is Fault.DROP:
+            return False
+        if self._stopped:
+            return False
+        checked = st.regions.check_remote_one(op, rkey, addr, length)
+        try:
+            if not checked.first_bad:
+                if op == _READ:
+                    head = RESPONSE.pack(op, _REM_ACCESS_ERR, int(checked.vendor), seq, 0, 0, 0)
+                    send_buffers(sock, [head], RESPONSE.size)
+                else:
+                    _send_small(sock, RESPONSE.pack(op, _REM_ACCESS_ERR, int(checked.vendor), seq, 0, 0, 0))
+                self._refuse_rest(sock, scratch)
+                return False
+            region = checked.found[0]
+            assert region is not None
+            view = region.view[addr - region.addr : addr - region.addr + length]
+            if op == _WRITE:
+                recv_exact(sock, view)
+                _send_small(sock, RESPONSE.pack(op, 0, 0, seq, 1, 0, 0))
+            else:
+                send_buffers(sock, [RESPONSE.pack(op, 0, 0, seq, 1, 0, length), view], RESPONSE.size + length)
+        finally:
+            checked.unpin()
+        return True
+
+    def _write_hooked(self, st: PairState, hooks: Hooks, fd: int, seq: int, d: np.ndarray, scratch: memoryview) -> bool:
+        """A WRITE chunk on a hooked pair: ``on_request`` before each request, one response each."""
+        sock = self.sock
+        for i in range(len(d)):
+            rkey, _r, addr, length = (int(x) for x in d[i].tolist())
+            if hooks.on_request(st.qp_num, _WRITE, rkey, addr, length) is Fault.DROP or self._stopped:
+                return False
+            one = d[i : i + 1]
+            checked = st.regions.check_remote(_WRITE, one["rkey"], one["addr"], one["length"])
+            here = (seq + i) & SEQ_MASK
+            try:
+                if checked.first_bad == 0:
+                    _send_small(sock, RESPONSE.pack(_WRITE, _REM_ACCESS_ERR, int(checked.vendor), here, 0, 0, 0))
+                    self._refuse_rest(sock, scratch)
+                    return False
+                _receive(fd, one, 1)
+            finally:
+                checked.unpin()
+            _send_small(sock, RESPONSE.pack(_WRITE, 0, 0, here, 1, 0, 0))
+        return True
+
+    def _read_first(self, sock: socket.socket, view: memoryview) -> bool:
+        """Wait for the next chunk (its header and first descriptor); False when the connection ended."""
         while True:
             try:
-                n = sock.recv_into(view, 0, socket.MSG_WAITALL)
+                n = sock.recv_into(view, 0, _WAITALL)
             except BlockingIOError:
-                # Silence between requests is an idle pair, not a dead one: keep waiting.
+                # Silence between chunks is an idle pair, not a dead one: keep waiting.
                 if self._stopped:
                     return False
                 continue
@@ -179,3 +199,33 @@ class Responder:
                 pass
         except OSError:
             pass
+
+
+def _fill(d: np.ndarray, n: int, iov: np.ndarray, row: int) -> int:
+    """Point ``iov[row:row + n]`` at the target ranges of the first ``n`` descriptors; their bytes."""
+    if n == 1:
+        addr, length = int(d["addr"][0]), int(d["length"][0])
+        iov[row] = (addr, length)
+        return length
+    if n:
+        iov[row : row + n, 0] = d["addr"][:n]
+        iov[row : row + n, 1] = d["length"][:n]
+        return int(d["length"][:n].sum())
+    return 0
+
+
+def _receive(fd: int, d: np.ndarray, n: int) -> None:
+    """Receive the payloads of the first ``n`` WRITEs of a chunk into their target ranges."""
+    iov = iovecs(n)
+    total = _fill(d, n, iov, 0)
+    if total:
+        recv_all(fd, iov, total)
+
+
+def _send_small(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data, socket.MSG_NOSIGNAL)
+    except BlockingIOError:
+        raise PeerGone(VendorErr.SEND_TIMEOUT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None

@@ -1,207 +1,304 @@
-"""The active side's sender: posted requests onto the wire, in order.
+"""The active side's sender: posted requests framed as chunks and written to the socket, in order.
 
-The sender thread takes posted requests in order, checks their local SGEs,
-and writes each as one header plus (for a WRITE) the source memoryviews,
-batching several requests into one ``sendmsg``; the call blocks with the GIL
-released, so the copy into the kernel runs beside the event loop.
+A round takes the next chunks from the pair state (``PairState.take_locked``),
+checks their local SGEs with a few array operations, frames every chunk's
+header and descriptors into one buffer (column-wise), and writes headers and
+WRITE payloads with one ``sendmsg`` per up to ``IOV_MAX`` blocks straight from
+the registered buffers (``iov.py``); the call blocks with the GIL released.
 
-The doorbell: when the sender is idle, ``post_send`` writes READs and small
-WRITEs to the socket itself (``send_inline``, never blocking), which saves a
-thread wakeup and a GIL hand-off per post; ``tx_lock`` orders the two writers,
-and what the socket does not take at once is finished by the sender thread.
+The doorbell: when the sender is idle, ``post`` writes READs and small WRITEs
+to the socket itself (``ring_locked``, never blocking), which saves a thread wakeup
+and a GIL hand-off per post; ``tx_lock`` orders the two writers, and what the
+socket does not take at once is finished by the sender thread.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import struct
+from dataclasses import dataclass
+
+import numpy as np
 
 from ...status import WcStatus
 from ..base import QpState
 from .hooks import Fault
-from .regions import TcpRegion
-from .wire import FLAG_ACK, REQUEST, PeerGone, VendorErr, advance, send_all
+from .iov import Iov, address, advance, advance_buffers, iovecs, send_all, send_buffers, sendmsg
+from .pairstate import Chunk, PairState, PendingWrite
+from .regions import Checked
+from .wire import CHUNK, DESC, PeerGone, VendorErr
 
-if TYPE_CHECKING:
-    from .qp import Entry, TcpQueuePair
+__all__ = ["INLINE_BYTES", "ROUND_BYTES", "Drop", "Round", "next_round", "ring_locked", "send_loop"]
 
-__all__ = ["send_inline", "send_loop"]
+log = logging.getLogger("moriio_async.tcp")
 
-IOV_LIMIT = 1000  # below IOV_MAX (1024): one sendmsg carries a whole batch
-BATCH_BYTES = 4 << 20
+ROUND_BYTES = 4 << 20
+"""WRITE payload per round: one round's completions and slot releases are not held back by a huge one."""
+INLINE_BYTES = 64 << 10
+"""WRITE payload a post may send itself (on the poster's thread)."""
 
+_DESC1 = struct.Struct("<IIQQ")  # one descriptor, for single-request chunks (no array work)
+_HEAD1 = struct.Struct("<BBHIII" + "IIQQ")  # a chunk header with its one descriptor
+_SMALL_SGES = 4  # a one-request round with at most this many SGEs uses the socket module's own calls
 _RTS = QpState.RTS
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+_NOSIGNAL = int(socket.MSG_NOSIGNAL)
+Presets = dict[int, tuple[int, WcStatus, int]]
 
 
-def _resolve(qp: TcpQueuePair, e: Entry, pinned: list[TcpRegion]) -> VendorErr | None:
-    """Check ``e``'s SGEs against the local regions and slice their views.
-
-    A WRITE's regions are pinned here (into ``pinned``) for the send; a READ's
-    are pinned by the receiver while the response payload is written.
-    """
-    check = qp.regions.check_local
-    nic_writes = e.is_read
-    views = e.views
-    for sge in e.wr.sges:
-        region = check(sge.lkey, sge.addr, sge.length, nic_writes)
-        if isinstance(region, VendorErr):
-            return region
-        if not nic_writes:
-            if not region.pin():
-                return VendorErr.LOCAL_DEREGISTERED
-            pinned.append(region)
-        offset = sge.addr - region.addr
-        views.append(region.view[offset : offset + sge.length])
-        e.regions.append(region)
-    return None
-
-
-def _take_batch(qp: TcpQueuePair) -> list[Entry]:
-    """The next requests to send, in order (the caller holds ``tx_lock``); maybe none."""
-    with qp.lock:
-        to_send = qp.to_send
-        batch: list[Entry] = []
-        niov = nbytes = 0
-        while to_send and nbytes < BATCH_BYTES:
-            e = to_send[0]
-            k = 1 + len(e.wr.sges)
-            if batch and niov + k > IOV_LIMIT:
-                break
-            batch.append(to_send.popleft())
-            niov += k
-            nbytes += 0 if e.is_read else e.length  # bytes this side sends
-        return batch
-
-
-def _build(
-    qp: TcpQueuePair,
-    batch: list[Entry],
-    pinned: list[TcpRegion],
-    preset: Callable[[Entry, WcStatus, int], None],
-) -> tuple[list[bytes | memoryview], int, bool]:
-    """The gather list for ``batch``: headers and WRITE payload views; and whether sending stops here.
-
-    Raises _Drop when a fault hook cuts the connection.
-    """
-    hooks = qp.hooks
-    pack = REQUEST.pack
-    iov: list[bytes | memoryview] = []
-    total = 0
-    last, last_at = batch[0], 0
-    stop = False
-    for e in batch:
-        wr = e.wr
-        if hooks is not None:
-            verdict = hooks.on_send(qp.qp_num, wr)
-            if verdict is Fault.DROP:
-                raise _Drop
-            if isinstance(verdict, WcStatus):
-                preset(e, verdict, 0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
-                if verdict is not WcStatus.SUCCESS:
-                    stop = True
-                    break
-                continue
-        err = _resolve(qp, e, pinned)
-        if err is not None:
-            # Requests before it still go out and complete first; nothing after it is sent.
-            preset(e, WcStatus.LOC_PROT_ERR, err)
-            stop = True
-            break
-        e.sent = True
-        # A successful WRITE is acknowledged only when signaled (or hooked, so
-        # on_response sees every request); the target runs requests in order,
-        # so a later response vouches for it, and a failure is always answered.
-        e.acked = e.is_read or wr.signaled or hooks is not None
-        last, last_at = e, len(iov)
-        iov.append(pack(wr.opcode, FLAG_ACK if e.acked else 0, 0, e.seq, wr.rkey, 0, wr.remote_addr, e.length))
-        total += REQUEST.size
-        if not e.is_read:
-            iov.extend(e.views)
-            total += e.length
-    if iov and not last.acked:
-        # The batch's last request is always answered: then every request on the
-        # wire has a response coming after it, which the receiver's silence
-        # timeout (a dead peer) relies on.
-        last.acked = True
-        wr = last.wr
-        iov[last_at] = pack(wr.opcode, FLAG_ACK, 0, last.seq, wr.rkey, 0, wr.remote_addr, last.length)
-    return iov, total, stop
-
-
-class _Drop(Exception):
+class Drop(Exception):
     """A fault hook asked to cut the connection."""
 
 
-def send_loop(qp: TcpQueuePair, sock: socket.socket) -> None:
+@dataclass
+class Round:
+    """One write to the socket: headers and payloads as an iovec list (or, for one small request,
+    as buffers), and what must stay alive until it is out."""
+
+    iov: Iov | None
+    buffers: list[bytes | memoryview] | None
+    total: int
+    pinned: list[Checked]
+    heads: np.ndarray | None  # the chunk headers the iovecs point at
+
+    def unpin(self) -> None:
+        for checked in self.pinned:
+            checked.unpin()
+        self.pinned.clear()
+
+
+Out = list[tuple[Chunk, int, int, int, Checked]]
+
+
+def _check_into(st: PairState, chunks: list[Chunk], pinned: list[Checked]) -> tuple[Out, Presets]:
+    """Hooks and local checks: what goes on the wire (chunk, hi, first SGE, end SGE, its check),
+    the pins held for WRITE payloads, and the requests that get their outcome without the wire."""
+    hooks = st.hooks
+    out: Out = []
+    presets: Presets = {}
+    for k, chunk in enumerate(chunks):
+        batch, lo, hi = chunk.batch, chunk.lo, chunk.hi
+        if hooks is not None:  # a hooked pair's chunks hold one request
+            verdict = hooks.on_send(st.qp_num, batch.request(lo))
+            if verdict is Fault.DROP:
+                raise Drop
+            if isinstance(verdict, WcStatus):
+                presets[k] = (lo, verdict, 0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
+                if verdict is not WcStatus.SUCCESS:
+                    break
+                continue
+        starts = batch.sge_start
+        a, b = int(starts[lo]), int(starts[hi])
+        if b - a == 1:
+            lkey, addr, length = batch.sge_lkey.item(a), batch.sge_addr.item(a), batch.sge_length.item(a)
+            checked = st.regions.check_local_one(lkey, addr, length, write=chunk.is_read)
+        else:
+            lkeys, addrs, lengths = batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b]
+            checked = st.regions.check_local(lkeys, addrs, lengths, write=chunk.is_read)
+        if not chunk.is_read:
+            checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
+            pinned.append(checked)
+        else:
+            chunk.local = checked
+        if checked.first_bad < b - a:
+            # Requests before it still go out and complete first; nothing after it is sent.
+            bad = lo + int(np.searchsorted(starts[lo : hi + 1], a + checked.first_bad, side="right")) - 1
+            presets[k] = (bad, WcStatus.LOC_PROT_ERR, checked.vendor)
+            if bad > lo:
+                out.append((chunk, bad, a, int(starts[bad]), checked))
+            break
+        out.append((chunk, hi, a, b, checked))
+    return out, presets
+
+
+def _check(st: PairState, chunks: list[Chunk]) -> tuple[Out, list[Checked], Presets]:
+    """``_check_into`` that never leaves a region pinned when it raises (a Drop, or a bug)."""
+    pinned: list[Checked] = []
+    try:
+        out, presets = _check_into(st, chunks, pinned)
+    except BaseException:
+        for checked in pinned:
+            checked.unpin()
+        raise
+    return out, pinned, presets
+
+
+def _frame_one(chunk: Chunk, a: int, b: int, checked: Checked) -> tuple[list[bytes | memoryview], int]:
+    """A one-request chunk as socket-module buffers: header and descriptor in one ``bytes``, then
+    (WRITE) views of its SGEs; a READ keeps its SGEs as views for the receiver."""
+    batch, lo = chunk.batch, chunk.lo
+    length = batch.length.item(lo)
+    head = _HEAD1.pack(chunk.opcode, 0, 0, chunk.wire_seq(lo), 1, 0, batch.rkey.item(lo), 0,
+                       batch.remote_addr.item(lo), length)  # fmt: skip
+    views: list[memoryview] = []
+    for j in range(a, b):
+        region = checked.found[int(checked.which[j - a]) if len(checked.found) > 1 else 0]
+        assert region is not None
+        off = batch.sge_addr.item(j) - region.addr
+        views.append(region.view[off : off + batch.sge_length.item(j)])
+    if chunk.is_read:
+        chunk.views = views
+        return [head], len(head)
+    return [head, *views], len(head) + length
+
+
+def _frame(out: Out) -> tuple[Iov, int, np.ndarray]:
+    """One buffer of chunk headers and descriptors, and the iovec list: each header followed by
+    its WRITE payload blocks. READ chunks keep their scatter list for the receiver."""
+    head_bytes = sum(CHUNK.size + DESC.itemsize * (hi - c.lo) for c, hi, _a, _b, _c in out)
+    rows = sum(1 + (0 if c.is_read else b - a) for c, _hi, a, b, _c in out)
+    heads = np.empty(head_bytes, dtype=np.uint8)
+    iov = iovecs(rows)
+    base = address(heads)
+    hv = heads.data
+    off = row = 0
+    total = head_bytes
+    for chunk, hi, a, b, _checked in out:
+        batch, lo = chunk.batch, chunk.lo
+        m = hi - lo
+        size = CHUNK.size + DESC.itemsize * m
+        CHUNK.pack_into(hv, off, chunk.opcode, 0, 0, chunk.wire_seq(lo), m, 0)
+        if m == 1:
+            _DESC1.pack_into(hv, off + CHUNK.size, batch.rkey.item(lo), 0, batch.remote_addr.item(lo),
+                             batch.length.item(lo))  # fmt: skip
+        else:
+            desc = heads[off + CHUNK.size : off + size].view(DESC)
+            desc["rkey"] = batch.rkey[lo:hi]
+            desc["reserved"] = 0
+            desc["addr"] = batch.remote_addr[lo:hi]
+            desc["length"] = batch.length[lo:hi]
+        iov[row, 0] = base + off
+        iov[row, 1] = size
+        row += 1
+        off += size
+        if chunk.is_read:
+            chunk.iov = iovecs(b - a)
+            chunk.iov[:, 0] = batch.sge_addr[a:b]
+            chunk.iov[:, 1] = batch.sge_length[a:b]
+        elif b > a:
+            iov[row : row + b - a, 0] = batch.sge_addr[a:b]
+            iov[row : row + b - a, 1] = batch.sge_length[a:b]
+            row += b - a
+            total += int(batch.sge_length[a:b].sum()) if b - a > 1 else batch.sge_length.item(a)
+    return iov, total, heads
+
+
+def _build(st: PairState, chunks: list[Chunk]) -> tuple[Round, Presets, bool]:
+    """Check and frame taken chunks: the round, the presets, and whether anything goes out."""
+    out, pinned, presets = _check(st, chunks)
+    try:
+        return _frame_round(out, pinned, presets)
+    except BaseException:
+        for checked in pinned:
+            checked.unpin()
+        raise
+
+
+def _frame_round(out: Out, pinned: list[Checked], presets: Presets) -> tuple[Round, Presets, bool]:
+    if len(out) == 1 and out[0][1] - out[0][0].lo == 1 and out[0][3] - out[0][2] <= _SMALL_SGES:
+        chunk, _hi, a, b, checked = out[0]
+        buffers, total = _frame_one(chunk, a, b, checked)
+        return Round(None, buffers, total, pinned, None), presets, True
+    if not out:
+        return Round(None, None, 0, pinned, None), presets, False
+    iov, total, heads = _frame(out)
+    return Round(iov, None, total, pinned, heads), presets, True
+
+
+def next_round(st: PairState, max_bytes: int) -> Round | None:
+    """Take, check and frame the next chunks (the caller holds ``tx_lock``, not ``lock``). Raises Drop."""
+    with st.lock:
+        chunks = st.take_locked(max_bytes)
+    if not chunks:
+        return None
+    rnd, presets, anything = _build(st, chunks)
+    with st.lock:
+        sending = st.settle_locked(chunks, presets)
+    if not sending or not anything:
+        rnd.unpin()
+        return None
+    return rnd
+
+
+def send_loop(st: PairState, sock: socket.socket) -> None:
+    fd = sock.fileno()
     while True:
-        with qp.lock:
-            while not qp.to_send and qp.tx_pending is None and qp.state == _RTS and not qp.send_stopped:
-                qp.send_cv.wait()
-            if qp.state != _RTS or (qp.send_stopped and qp.tx_pending is None):
+        with st.lock:
+            while not st.pending and st.tx_pending is None and st.state == _RTS and not st.send_stopped:
+                st.send_cv.wait()
+            if st.state != _RTS or (st.send_stopped and st.tx_pending is None):
                 return  # after a local failure the pair enters ERR when it reaches the head
-        pinned: list[TcpRegion] = []
-        with qp.tx_lock:
+        with st.tx_lock:
+            rnd: Round | None = None
             try:
-                pending, qp.tx_pending = qp.tx_pending, None
-                if pending is not None:  # what post_send could not write without blocking goes first
-                    buffers, total, pinned = pending
-                    send_all(sock, buffers, total)
-                    _unpin(pinned)
-                if qp.send_stopped:
-                    continue
-                batch = _take_batch(qp)
-                if not batch:
-                    continue
-                iov, total, stop = _build(qp, batch, pinned, qp.preset)
-                if iov:
-                    send_all(sock, iov, total)
-                if stop:
-                    with qp.lock:
-                        qp.send_stopped = True
-            except _Drop:
-                qp.peer_lost(VendorErr.HOOK)
+                left, st.tx_pending = st.tx_pending, None
+                if left is not None:  # what a doorbell could not write without blocking goes first
+                    try:
+                        if left.buffers is not None:
+                            send_buffers(sock, left.buffers, left.left)
+                        elif left.iov is not None:
+                            send_all(fd, left.iov, left.left, left.start)
+                    finally:
+                        left.release()
+                rnd = next_round(st, ROUND_BYTES)
+                if rnd is not None:
+                    if rnd.buffers is not None:
+                        send_buffers(sock, rnd.buffers, rnd.total)
+                    elif rnd.iov is not None:
+                        send_all(fd, rnd.iov, rnd.total)
+            except Drop:
+                st.peer_lost(VendorErr.HOOK)
                 return
             except PeerGone as exc:
-                qp.peer_lost(exc.vendor)
+                st.peer_lost(exc.vendor)
                 return
             finally:
-                _unpin(pinned)
+                if rnd is not None:
+                    rnd.unpin()
 
 
-def _unpin(pinned: list[TcpRegion]) -> None:
-    for region in pinned:
-        region.unpin()
-    pinned.clear()
+def ring_locked(st: PairState, sock: socket.socket) -> None:
+    """The doorbell: send what was just posted from the posting thread, without blocking.
 
-
-def send_inline(qp: TcpQueuePair, sock: socket.socket) -> None:
-    """Send what was just posted from the posting thread, without blocking (the doorbell).
-
-    The caller (``post_send``) holds ``qp.lock`` and ``qp.tx_lock``, found the
-    sender idle with nothing pending, no hooks, and little WRITE payload. What
-    the socket does not take at once is left in ``qp.tx_pending`` for the
-    sender thread, which the caller then wakes. Saves a thread wakeup per
-    post for READs and small WRITEs; large payloads stay on the sender thread.
+    The caller holds ``lock`` and ``tx_lock`` (taken without waiting), found the
+    sender idle and the pair without hooks (so nothing here sleeps). What the
+    socket does not take at once is left in ``st.tx_pending`` for the sender
+    thread, which the caller then wakes. Under the one lock, a small post costs
+    a single lock round trip, as a doorbell write should.
     """
-    batch = list(qp.to_send)
-    qp.to_send.clear()
-    pinned: list[TcpRegion] = []
-    iov, total, stop = _build(qp, batch, pinned, qp.preset_locked)
-    if stop:
-        qp.send_stopped = True
-    if not iov:
-        _unpin(pinned)
+    chunks = st.take_locked(INLINE_BYTES)
+    if not chunks:
         return
     try:
-        sent = sock.sendmsg(iov, (), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        rnd, presets, anything = _build(st, chunks)
+    except Exception:
+        log.exception("tcp qp %d: posting failed", st.qp_num)
+        st.fail_locked(WcStatus.GENERAL_ERR, 0)  # what was taken completes (flushed), nothing hangs
+        return
+    if not st.settle_locked(chunks, presets) or not anything:
+        rnd.unpin()
+        return
+    try:
+        if rnd.buffers is not None:
+            sent = sock.sendmsg(rnd.buffers, (), _DONTWAIT | _NOSIGNAL)
+        else:
+            assert rnd.iov is not None
+            sent = sendmsg(sock.fileno(), rnd.iov, 0, _DONTWAIT)
     except BlockingIOError:
         sent = 0
     except OSError:
-        _unpin(pinned)
-        qp.fail_locked(WcStatus.RETRY_EXC_ERR, VendorErr.PEER_RESET)
+        rnd.unpin()
+        if st.state == _RTS:
+            st.fail_locked(WcStatus.RETRY_EXC_ERR, VendorErr.PEER_RESET)
         return
-    if sent == total:
-        _unpin(pinned)
+    if sent == rnd.total:
+        rnd.unpin()
+        return
+    if rnd.buffers is not None:
+        rest = advance_buffers(rnd.buffers, sent)
+        st.tx_pending = PendingWrite(None, rest, 0, rnd.total - sent, rnd.unpin, None)
     else:
-        qp.tx_pending = (advance(iov, sent), total - sent, pinned)
+        assert rnd.iov is not None
+        start = advance(rnd.iov, 0, sent)
+        st.tx_pending = PendingWrite(rnd.iov, None, start, rnd.total - sent, rnd.unpin, rnd.heads)

@@ -1,34 +1,37 @@
-"""The data-plane wire: fixed-size little-endian headers and the zero-copy socket loops.
+"""The data-plane wire (version 2): the handshake, chunks of requests and their responses.
 
 One TCP connection carries one queue pair. The active side opens it and says
-hello; after that it only sends requests and the passive side only sends
-responses, one per request, in request order (RC)::
+hello; after that it only sends chunks and the passive side only sends
+responses, in order (RC)::
 
     hello      (active -> passive, once)   28 bytes  "<4sHH16sI"
         magic b"MRIO", version, flags=0, token (16 random bytes), active qp_num
     hello-ack  (passive -> active, once)   12 bytes  "<4sHHI"
         magic, version, status (HelloStatus), passive qp_num
-    request    (active -> passive)         32 bytes  "<BBHIIIQQ"
-        opcode (Opcode value), flags (FLAG_ACK), reserved, seq, rkey,
-        reserved, remote_addr, length; an RDMA WRITE's ``length`` payload
-        bytes follow
-    response   (passive -> active)         16 bytes  "<BBHIQ"
-        opcode, status (WcStatus value: SUCCESS or REM_ACCESS_ERR), vendor_err,
-        seq, length; a successful RDMA READ's ``length`` payload bytes follow
+    chunk      (active -> passive)         16 bytes  "<BBHIII", then count x 24-byte descriptors
+        opcode (one for the whole chunk), flags=0, reserved, seq of its first
+        request, count (1..MAX_CHUNK), reserved; descriptor "<IIQQ": rkey,
+        reserved, remote_addr, length; a WRITE chunk's payloads follow, back to back
+    response   (passive -> active)         24 bytes  "<BBHIIIQ"
+        opcode, status (SUCCESS or REM_ACCESS_ERR), vendor_err, seq (the first
+        request it covers), done (how many succeeded from seq on), reserved,
+        payload (bytes that follow it: a READ chunk's payloads of the done requests)
 
-``seq`` is the request's posting number modulo 2**32. Every READ and every
-failed request is answered; a successful WRITE only if it carries FLAG_ACK
-(the initiator sets it on signaled WRITEs and on the last request of each
-batch it sends), so a response also vouches for the unanswered WRITEs
-before it, as RC coalesces ACKs. Responses come in request order. After an
-error response the passive side executes nothing more on that connection:
-it drains until the peer closes.
+``seq`` is a request's posting number modulo 2**32. A chunk is consecutive
+requests of one opcode, framed in one pass (a numpy structured array filled
+column-wise), so a batch of thousands of blocks costs a few array operations
+and one ``sendmsg`` per up to ``IOV_MAX`` blocks. Every chunk is answered by
+one response covering all of it (RC's coalesced ACK), except that a target
+with fault hooks answers a WRITE chunk one request at a time. A response with
+a non-zero status means request ``seq + done`` failed and nothing after it
+ran: the passive side then executes nothing more on the connection and drains
+until the peer closes.
 
-Payload bytes never pass through a Python ``bytes``: senders hand the region's
-memoryviews to ``sendmsg`` and receivers ``recv_into`` the region's memoryview.
-Timeouts are kernel socket timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on blocking
-sockets, so each call is one system call and "silence for retry_timeout"
-surfaces as EAGAIN, without any polling loop.
+Payload bytes never pass through a Python ``bytes``: both sides move them with
+``sendmsg``/``recvmsg`` on iovec arrays that point into the registered
+buffers (``iov.py``). Timeouts are kernel socket timeouts
+(SO_RCVTIMEO/SO_SNDTIMEO) on blocking sockets, so each call is one system
+call and "silence for retry_timeout" surfaces as EAGAIN, without polling.
 """
 
 from __future__ import annotations
@@ -38,51 +41,50 @@ import fcntl
 import socket
 import struct
 import termios
-from typing import Final, TypeVar, cast
+from typing import Final
+
+import numpy as np
 
 __all__ = [
-    "FLAG_ACK",
+    "CHUNK",
+    "DESC",
     "HELLO",
     "HELLO_ACK",
     "MAGIC",
-    "REQUEST",
+    "MAX_CHUNK",
     "RESPONSE",
+    "SEQ_MASK",
     "VERSION",
     "HelloStatus",
     "PeerGone",
     "VendorErr",
-    "advance",
     "configure_data_socket",
-    "drain",
     "peer_progress",
-    "recv_exact",
-    "recv_scatter",
-    "send_all",
 ]
 
 MAGIC: Final = b"MRIO"
-VERSION: Final = 1
+VERSION: Final = 2
 
 HELLO: Final = struct.Struct("<4sHH16sI")
 HELLO_ACK: Final = struct.Struct("<4sHHI")
-REQUEST: Final = struct.Struct("<BBHIIIQQ")
-RESPONSE: Final = struct.Struct("<BBHIQ")
+CHUNK: Final = struct.Struct("<BBHIII")
+DESC: Final = np.dtype([("rkey", "<u4"), ("reserved", "<u4"), ("addr", "<u8"), ("length", "<u8")])
+RESPONSE: Final = struct.Struct("<BBHIIIQ")
 
+MAX_CHUNK: Final = 1024
+"""Requests per chunk: bounds what a peer makes the target allocate (24 KiB of descriptors)."""
 SEQ_MASK: Final = 0xFFFFFFFF
-FLAG_ACK: Final = 0x01
-"""Request flag: answer this WRITE even when it succeeds."""
 
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked, the peer's cumulative acknowledgements.
 _TCPI_BYTES_ACKED: Final = struct.Struct("=Q")
 _TCPI_BYTES_ACKED_OFFSET: Final = 120
-
-_B = TypeVar("_B", bound=bytes | memoryview)
 
 
 class HelloStatus(enum.IntEnum):
     OK = 0
     UNKNOWN_TOKEN = 1
     BAD_HELLO = 2
+    BAD_VERSION = 3
 
 
 class VendorErr(enum.IntEnum):
@@ -130,57 +132,6 @@ def configure_data_socket(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket (zero copy). Raises PeerGone."""
-    try:
-        while view:
-            # MSG_WAITALL: one system call for the whole payload in the common case;
-            # on SO_RCVTIMEO it returns what arrived, and only a call that got
-            # nothing for a whole timeout raises EAGAIN ("silence").
-            n = sock.recv_into(view, 0, socket.MSG_WAITALL)
-            if n == 0:
-                raise PeerGone(VendorErr.PEER_CLOSED)
-            view = view[n:]
-    except BlockingIOError:
-        raise PeerGone(VendorErr.PEER_SILENT) from None
-    except OSError:
-        raise PeerGone(VendorErr.PEER_RESET) from None
-
-
-def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> None:
-    """Fill ``views`` in order from the socket with scatter reads (zero copy). Raises PeerGone."""
-    if len(views) == 1:
-        recv_exact(sock, views[0])
-        return
-    try:
-        while total:
-            n = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
-            if n == 0:
-                raise PeerGone(VendorErr.PEER_CLOSED)
-            total -= n
-            if total:
-                views = advance(views, n)
-    except BlockingIOError:
-        raise PeerGone(VendorErr.PEER_SILENT) from None
-    except OSError:
-        raise PeerGone(VendorErr.PEER_RESET) from None
-
-
-def send_all(sock: socket.socket, buffers: list[bytes | memoryview], total: int) -> None:
-    """Send ``buffers`` back to back with gather writes (zero copy). Raises PeerGone."""
-    try:
-        while True:
-            n = sock.sendmsg(buffers, (), socket.MSG_NOSIGNAL)
-            total -= n
-            if not total:
-                return
-            buffers = advance(buffers, n)
-    except BlockingIOError:
-        raise PeerGone(VendorErr.SEND_TIMEOUT) from None
-    except OSError:
-        raise PeerGone(VendorErr.PEER_RESET) from None
-
-
 def peer_progress(sock: socket.socket, last: int | None) -> tuple[int | None, bool]:
     """After a receive timeout: has the peer acknowledged more of our bytes since ``last``?
 
@@ -201,23 +152,3 @@ def peer_progress(sock: socket.socket, last: int | None) -> tuple[int | None, bo
         return acked, queued > 0
     except (OSError, AttributeError):
         return None, False
-
-
-def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
-    """Read and discard ``nbytes`` (a rejected WRITE's payload) without touching any region."""
-    while nbytes:
-        chunk = scratch[: min(nbytes, len(scratch))]
-        recv_exact(sock, chunk)
-        nbytes -= len(chunk)
-
-
-def advance(buffers: list[_B], n: int) -> list[_B]:
-    """``buffers`` without their first ``n`` bytes (slicing views, copying nothing)."""
-    i = 0
-    while n >= len(buffers[i]):
-        n -= len(buffers[i])
-        i += 1
-    rest = buffers[i:]
-    if n:
-        rest[0] = cast(_B, memoryview(rest[0])[n:])
-    return rest

@@ -1,0 +1,68 @@
+"""The mock's fabric: how mock queue pairs in one process find each other.
+
+An endpoint crosses the engines' control plane as JSON, so the active pair can
+only name its peer by a token; something both backends share must map the
+token to the passive pair. That is a ``MockFabric``. Give backends one with
+``BackendOptions(extra={"fabric": fabric})`` to keep them apart from every
+other mock in the process; backends opened without one join the process's
+default fabric, so two engines configured independently (as users and most
+tests do) still reach each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from ...errors import InvalidArgument
+
+__all__ = ["MockFabric"]
+
+
+class MockFabric:
+    """Passive pairs by token (each good for one connect) and queue-pair numbers."""
+
+    _default: ClassVar[MockFabric | None] = None
+    _default_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, object] = {}
+        self._numbers = itertools.count(0x100)
+
+    @classmethod
+    def default(cls) -> MockFabric:
+        """The process's default fabric, made on first use."""
+        with cls._default_lock:
+            if cls._default is None:
+                cls._default = MockFabric()
+            return cls._default
+
+    @classmethod
+    def of(cls, extra: Mapping[str, Any]) -> MockFabric:
+        """The fabric ``BackendOptions.extra`` names, or the default one."""
+        fabric = extra.get("fabric")
+        if fabric is None:
+            return cls.default()
+        if not isinstance(fabric, MockFabric):
+            raise InvalidArgument(f"backend_extra['fabric'] must be a MockFabric, not {type(fabric).__name__}")
+        return fabric
+
+    def next_qp_num(self) -> int:
+        with self._lock:
+            return next(self._numbers) & 0xFFFFFF
+
+    def listen(self, token: str, pair: object) -> None:
+        with self._lock:
+            self._waiting[token] = pair
+
+    def claim(self, token: str) -> object | None:
+        """The passive pair ``token`` names, once."""
+        with self._lock:
+            return self._waiting.pop(token, None)
+
+    def forget(self, token: str) -> None:
+        with self._lock:
+            self._waiting.pop(token, None)

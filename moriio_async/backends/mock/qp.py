@@ -1,0 +1,328 @@
+"""The mock queue pair: a posted batch runs as array checks and array copies, in posting order.
+
+Everything happens on the thread that posts (and, in ``hold`` mode, on the
+thread that calls ``step``); the completion queue is the only thing shared
+with the poller. A batch is cut into runs of one opcode; each run is checked
+whole (``MemoryTable.resolve`` on the local SGEs and the remote ranges), the
+requests before the first failing one are copied, and only signaled
+successes, the failure and the flushes after it make completions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ...errors import InvalidArgument, PeerError
+from ...status import Access, Opcode, WcStatus
+from ...work import WorkBatch, WorkCompletion, WorkRequest
+from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
+from ..packing import pack
+from ..softcq import SoftCompletionQueue
+from .fabric import MockFabric
+from .memory import MemoryTable, copy
+
+__all__ = ["MockQueuePair"]
+
+_OPCODES = {int(o): o for o in Opcode}
+_WRITE = int(Opcode.RDMA_WRITE)
+_READ = int(Opcode.RDMA_READ)
+_SUCCESS = WcStatus.SUCCESS
+_FLUSH = WcStatus.WR_FLUSH_ERR
+
+Completions = list[tuple[WorkCompletion, int]]
+
+
+class MockQueuePair(QueuePair):
+    """A queue pair of the mock NIC. Test seams: ``hold``/``step``, ``fail_next``, ``vanish``.
+
+    Not thread-safe beyond the contract's use: one thread posts (and steps),
+    any thread polls the completion queue.
+    """
+
+    def __init__(
+        self,
+        memory: MemoryTable,
+        cq: SoftCompletionQueue,
+        fabric: MockFabric,
+        options: BackendOptions,
+        on_close: Callable[[MockQueuePair], None],
+    ) -> None:
+        self.qp_num = fabric.next_qp_num()
+        self.max_send_wr = max(1, options.sq_depth)
+        self.max_sge = max(1, options.max_sge)
+        self.hold = bool(options.extra.get("hold", False))
+        """Keep posted requests until ``step``: completion timing becomes a function of the test's calls."""
+        self.memory = memory
+        self._cq = cq
+        self._fabric = fabric
+        self._on_close = on_close
+        self._token = secrets.token_hex(8)
+        self._state = QpState.INIT
+        self._passive = False
+        self._closed = False
+        self._peer: MockQueuePair | None = None
+        self._held: deque[WorkBatch] = deque()
+        self._held_n = 0
+        self._posted = 0
+        self._released = 0  # written by the poller (release_slots)
+        self._uncovered = 0  # successful unsignaled requests the next completion covers
+        self._fail_next: WcStatus | None = None
+
+    # -- the contract -----------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def endpoint(self) -> Endpoint:
+        return {"backend": "mock", "token": self._token, "qp_num": self.qp_num, "accepting": self._passive}
+
+    def connect(self, remote: Endpoint) -> None:
+        if remote.get("backend", "mock") != "mock":
+            raise InvalidArgument(f"not a mock queue-pair endpoint: {dict(remote)!r}")
+        if self._closed or self._state != QpState.INIT:
+            raise InvalidArgument(f"connect needs a queue pair in INIT (qp {self.qp_num} is {self._state})")
+        if not remote.get("accepting"):
+            # Passive side: the active pair connects to us next, by our token.
+            self._passive = True
+            self._state = QpState.RTS
+            self._fabric.listen(self._token, self)
+            return
+        token = str(remote.get("token", ""))
+        peer = self._fabric.claim(token)
+        if not isinstance(peer, MockQueuePair) or peer.closed:
+            raise PeerError(
+                f"qp {self.qp_num}: no mock queue pair with token {token!r} waits in this fabric",
+                hint="the mock connects engines of one process (and one MockFabric); use tcp across processes",
+            )
+        self._peer = peer
+        self._state = QpState.RTS
+
+    def post(self, batch: WorkBatch) -> None:
+        n = len(batch)
+        if self._passive or self._closed or self._state not in (QpState.RTS, QpState.ERR):
+            raise InvalidArgument(
+                f"qp {self.qp_num} cannot post: "
+                + ("the passive pair only answers" if self._passive else f"it is {self._state}")
+                + (" and closed" if self._closed else "")
+            )
+        if not n:
+            return
+        ops = batch.opcode
+        if n == 1:
+            op = ops.item(0)
+            if op != _WRITE and op != _READ:
+                raise InvalidArgument(f"unsupported opcode {op}")
+            most = batch.sge_start.item(1) - batch.sge_start.item(0)
+        else:
+            if not bool(((ops == _WRITE) | (ops == _READ)).all()):
+                bad = int(ops[(ops != _WRITE) & (ops != _READ)][0])
+                raise InvalidArgument(f"unsupported opcode {bad}")
+            most = int(np.diff(batch.sge_start).max())
+        if most > self.max_sge:
+            raise InvalidArgument(f"{most} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
+        used = self._posted - self._released
+        if used + n > self.max_send_wr:
+            raise SendQueueFull(f"{n} requests, {self.max_send_wr - used} free slots of {self.max_send_wr}")
+        self._posted += n
+        self._held.append(batch)
+        self._held_n += n
+        if not self.hold or self._state == QpState.ERR:
+            self.step(self._held_n)
+
+    def post_send(self, wrs: Sequence[WorkRequest]) -> None:
+        """``post`` of the packed requests (one request packs without ``from_requests``' generality)."""
+        self.post(pack(wrs))
+
+    def to_error(self) -> None:
+        self._state = QpState.ERR
+        self.step(self._held_n)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.to_error()
+        self._closed = True
+        self._fabric.forget(self._token)
+        self._on_close(self)
+
+    def release_slots(self, n: int) -> None:
+        self._released += n
+
+    # -- test seams -------------------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        """Requests posted and not executed yet (``hold`` mode)."""
+        return self._held_n
+
+    def step(self, n: int = 1) -> int:
+        """Execute up to ``n`` held requests, oldest first; return how many ran."""
+        ran = 0
+        out: Completions = []
+        while self._held and ran < n:
+            batch = self._held[0]
+            k = min(len(batch), n - ran)
+            if k < len(batch):
+                part = batch.slice(0, k)
+                self._held[0] = batch.slice(k)
+            else:
+                part = self._held.popleft()
+            self._held_n -= k
+            ran += k
+            self._run(part, out)
+        if out:
+            self._cq.push_many(out, self)
+        return ran
+
+    def fail_next(self, status: WcStatus) -> None:
+        """The next executed request ends with ``status`` (the pair then enters ERR)."""
+        self._fail_next = status
+
+    def vanish(self) -> None:
+        """The peer died: the oldest held request fails RETRY_EXC_ERR, the rest flush."""
+        if self._held_n and self._state != QpState.ERR:
+            self._fail_next = WcStatus.RETRY_EXC_ERR
+            self.step(self._held_n)
+        self._state = QpState.ERR
+
+    # -- execution ----------------------------------------------------------------------
+
+    def _run(self, batch: WorkBatch, out: Completions) -> None:
+        if self._state == QpState.ERR:
+            self._fail(batch, 0, _FLUSH, out)
+            return
+        peer = self._peer
+        if peer is None or peer.closed:
+            self._fail(batch, 0, WcStatus.RETRY_EXC_ERR, out)  # nothing answers: the retries run out
+            return
+        if self._fail_next is not None:
+            chosen, self._fail_next = self._fail_next, None
+            self._fail(batch, 0, chosen, out)
+            return
+        n = len(batch)
+        if n == 1:  # one request (the runtime's single read/write): plain integers, no array work
+            status = self._execute_one(batch, peer.memory)
+            if status is None:
+                self._complete_ok(batch, 0, 1, out)
+            else:
+                self._fail(batch, 0, status, out)
+            return
+        cuts = [0, *(np.flatnonzero(np.diff(batch.opcode)) + 1).tolist(), n]
+        for lo, hi in itertools.pairwise(cuts):
+            done, status = self._execute(batch, lo, hi, peer.memory)
+            self._complete_ok(batch, lo, lo + done, out)
+            if status is not None:
+                self._fail(batch, lo + done, status, out)
+                return
+
+    def _execute(self, batch: WorkBatch, lo: int, hi: int, remote: MemoryTable) -> tuple[int, WcStatus | None]:
+        """Check requests ``lo:hi`` (one opcode) and copy those before the first failure; return
+        how many ran and the failure's status (None: all ran)."""
+        read = int(batch.opcode[lo]) == _READ
+        starts = batch.sge_start
+        a, b = int(starts[lo]), int(starts[hi])
+        k = hi - lo
+        local = self.memory.resolve(
+            batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b], Access.LOCAL_WRITE if read else Access(0)
+        )
+        far = remote.resolve(
+            batch.rkey[lo:hi],
+            batch.remote_addr[lo:hi],
+            batch.length[lo:hi],
+            Access.REMOTE_READ if read else Access.REMOTE_WRITE,
+        )
+        owner = np.repeat(np.arange(k), np.diff(starts[lo : hi + 1]))  # the request of each SGE
+        bad_local = owner[~local.ok]
+        first_local = int(bad_local[0]) if len(bad_local) else k
+        bad_remote = np.flatnonzero(~far.ok)
+        first_remote = int(bad_remote[0]) if len(bad_remote) else k
+        done = min(first_local, first_remote)
+        status = None if done == k else WcStatus.LOC_PROT_ERR if first_local == done else WcStatus.REM_ACCESS_ERR
+        if done:
+            e = int(starts[lo + done]) - a  # the SGEs of the requests that run
+            owner = owner[:e]
+            lengths = batch.sge_length[a : a + e]
+            prefix = np.zeros(e + 1, dtype=np.uint64)
+            np.cumsum(lengths, out=prefix[1:])
+            # Each SGE's place in its request's remote range: bytes before it in the same request.
+            within = (prefix[:-1] - prefix[starts[lo : lo + done] - a][owner]).astype(np.int64)
+            mine, theirs = local.blocks(slice(0, e)), far.blocks(owner, far.offset[owner] + within)
+            if read:
+                copy(theirs, mine, lengths)
+            else:
+                copy(mine, theirs, lengths)
+        return done, status
+
+    def _execute_one(self, batch: WorkBatch, remote: MemoryTable) -> WcStatus | None:
+        """Check and copy the batch's only request; its failure status, or None."""
+        read = batch.opcode.item(0) == _READ
+        a, b = batch.sge_start.item(0), batch.sge_start.item(1)
+        addrs, lengths, lkeys = (
+            batch.sge_addr.tolist()[a:b],
+            batch.sge_length.tolist()[a:b],
+            batch.sge_lkey.tolist()[a:b],
+        )
+        need = Access.LOCAL_WRITE if read else Access(0)
+        local = [self.memory.lookup(k, x, n, need) for k, x, n in zip(lkeys, addrs, lengths, strict=True)]
+        if None in local:
+            return WcStatus.LOC_PROT_ERR
+        raddr = batch.remote_addr.item(0)
+        far = remote.lookup(batch.rkey.item(0), raddr, batch.length.item(0),
+                            Access.REMOTE_READ if read else Access.REMOTE_WRITE)  # fmt: skip
+        if far is None:
+            return WcStatus.REM_ACCESS_ERR
+        pos = raddr - far.addr
+        for region, addr, n in zip(local, addrs, lengths, strict=True):
+            assert region is not None
+            off = addr - region.addr
+            if read:
+                region.array[off : off + n] = far.array[pos : pos + n]
+            else:
+                far.array[pos : pos + n] = region.array[off : off + n]
+            pos += n
+        return None
+
+    def _complete_ok(self, batch: WorkBatch, lo: int, hi: int, out: Completions) -> None:
+        """Requests ``lo:hi`` succeeded: a completion for each signaled one, covering those before it."""
+        if hi <= lo:
+            return
+        if hi == lo + 1:
+            if batch.signaled.item(lo):
+                op = _OPCODES[batch.opcode.item(lo)]
+                wc = WorkCompletion(batch.wr_id + lo, _SUCCESS, op, batch.length.item(lo), self.qp_num)
+                out.append((wc, self._uncovered + 1))
+                self._uncovered = 0
+            else:
+                self._uncovered += 1
+            return
+        signaled = np.flatnonzero(batch.signaled[lo:hi])
+        if not len(signaled):
+            self._uncovered += hi - lo
+            return
+        prev = lo - 1 - self._uncovered
+        ops, lengths, first, qp_num = batch.opcode, batch.length, batch.wr_id, self.qp_num
+        for i in (signaled + lo).tolist():
+            wc = WorkCompletion(first + i, _SUCCESS, _OPCODES[int(ops[i])], int(lengths[i]), qp_num)
+            out.append((wc, i - prev))
+            prev = i
+        self._uncovered = hi - 1 - prev
+
+    def _fail(self, batch: WorkBatch, i: int, status: WcStatus, out: Completions) -> None:
+        """Request ``i`` fails with ``status``, every later one flushes; the pair is in ERR."""
+        self._state = QpState.ERR
+        slots = self._uncovered + 1
+        self._uncovered = 0
+        first, qp_num = batch.wr_id, self.qp_num
+        for j, op in enumerate(batch.opcode[i:].tolist(), start=i):
+            out.append((WorkCompletion(first + j, status, _OPCODES[op], 0, qp_num), slots))
+            status, slots = _FLUSH, 1

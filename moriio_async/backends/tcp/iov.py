@@ -1,0 +1,226 @@
+"""Vectored socket I/O over iovec arrays: one system call moves many blocks, no Python object per block.
+
+Python's ``socket.sendmsg``/``recvmsg_into`` take one buffer object per block,
+so a batch of a thousand 4 KiB blocks would cost a thousand memoryview slices
+on each side. Here a gather/scatter list is a numpy array (``IOVEC``: base
+address, length), filled column-wise from a batch's address and length
+arrays, and ``sendmsg(2)``/``recvmsg(2)`` are called through ctypes, which
+releases the GIL for the call, as the socket module does.
+
+The addresses must stay valid for the call: callers check every block
+against the region table and pin its region first (``regions.py``), and hold
+the numpy arrays (chunk headers, iovec arrays) they point at.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+from typing import Final, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from .wire import PeerGone, VendorErr
+
+__all__ = [
+    "IOV_MAX",
+    "Iov",
+    "address",
+    "advance",
+    "advance_buffers",
+    "iovecs",
+    "prefix",
+    "recv_all",
+    "recv_buffers",
+    "recv_exact",
+    "recvmsg",
+    "send_all",
+    "send_buffers",
+    "sendmsg",
+]
+
+IOV_MAX: Final = 1024
+"""Entries one call takes (Linux UIO_MAXIOV); longer lists take several calls."""
+_ROW: Final = 16  # sizeof(struct iovec) on 64-bit Linux: base, length
+
+_B = TypeVar("_B", bound=bytes | memoryview)
+
+Iov = npt.NDArray[np.uint64]
+"""An iovec list: ``n`` rows of (base address, length), laid out as ``struct iovec[n]``."""
+
+
+class _MsgHdr(ctypes.Structure):
+    _fields_ = [
+        ("msg_name", ctypes.c_void_p),
+        ("msg_namelen", ctypes.c_uint32),
+        ("msg_iov", ctypes.c_void_p),
+        ("msg_iovlen", ctypes.c_size_t),
+        ("msg_control", ctypes.c_void_p),
+        ("msg_controllen", ctypes.c_size_t),
+        ("msg_flags", ctypes.c_int),
+    ]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_sendmsg = _libc.sendmsg
+_sendmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+_sendmsg.restype = ctypes.c_ssize_t
+_recvmsg = _libc.recvmsg
+_recvmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+_recvmsg.restype = ctypes.c_ssize_t
+_NOSIGNAL: Final = int(socket.MSG_NOSIGNAL)  # plain ints: IntFlag arithmetic costs a call per request
+_WAITALL: Final = int(socket.MSG_WAITALL)
+
+
+def address(array: npt.NDArray[np.generic]) -> int:
+    """Where a numpy array's data starts."""
+    return int(array.ctypes.data)
+
+
+def iovecs(n: int) -> Iov:
+    """An uninitialised iovec list of ``n`` rows."""
+    return np.empty((n, 2), dtype=np.uint64)
+
+
+def _call(fn: ctypes._NamedFuncPointer, fd: int, iov: Iov, start: int, flags: int) -> int:
+    count = min(len(iov) - start, IOV_MAX)
+    hdr = _MsgHdr(None, 0, address(iov) + start * _ROW, count, None, 0, 0)
+    while True:
+        n: int = fn(fd, ctypes.byref(hdr), flags)
+        if n >= 0:
+            return n
+        err = ctypes.get_errno()
+        if err == errno.EINTR:
+            continue  # as the socket module does (PEP 475)
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise BlockingIOError(err, os.strerror(err))
+        raise OSError(err, os.strerror(err))
+
+
+def sendmsg(fd: int, iov: Iov, start: int = 0, flags: int = 0) -> int:
+    """One ``sendmsg(2)`` of ``iov[start:]`` (at most IOV_MAX entries); bytes sent. Raises
+    BlockingIOError (EAGAIN: the send timeout, or a full buffer with MSG_DONTWAIT) or OSError."""
+    return _call(_sendmsg, fd, iov, start, flags | _NOSIGNAL)
+
+
+def recvmsg(fd: int, iov: Iov, start: int = 0, flags: int = _WAITALL) -> int:
+    """One ``recvmsg(2)`` into ``iov[start:]`` (at most IOV_MAX entries); bytes received, 0 at end
+    of stream. Raises BlockingIOError (EAGAIN: nothing for a whole receive timeout) or OSError."""
+    return _call(_recvmsg, fd, iov, start, flags)
+
+
+def advance(iov: Iov, start: int, n: int) -> int:
+    """Consume ``n`` bytes from ``iov[start:]`` in place; the index of the first entry left."""
+    cum = np.cumsum(iov[start : start + IOV_MAX, 1])
+    k = int(np.searchsorted(cum, n, side="right"))
+    rest = n - (int(cum[k - 1]) if k else 0)
+    start += k
+    if rest:
+        iov[start, 0] += np.uint64(rest)
+        iov[start, 1] -= np.uint64(rest)
+    return start
+
+
+def send_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
+    """Send ``total`` bytes from ``iov[start:]`` (blocking). Raises PeerGone."""
+    try:
+        while True:
+            n = sendmsg(fd, iov, start)
+            total -= n
+            if total <= 0:
+                return
+            start = advance(iov, start, n)
+    except BlockingIOError:
+        raise PeerGone(VendorErr.SEND_TIMEOUT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None
+
+
+def recv_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
+    """Fill ``iov[start:]`` with ``total`` bytes (blocking; silence inside is a dead peer). Raises PeerGone."""
+    try:
+        while total > 0:
+            n = recvmsg(fd, iov, start)
+            if n == 0:
+                raise PeerGone(VendorErr.PEER_CLOSED)
+            total -= n
+            if total > 0:
+                start = advance(iov, start, n)
+    except BlockingIOError:
+        raise PeerGone(VendorErr.PEER_SILENT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill a small ``view`` (headers, descriptors) from the socket. Raises PeerGone."""
+    try:
+        while view:
+            n = sock.recv_into(view, 0, _WAITALL)
+            if n == 0:
+                raise PeerGone(VendorErr.PEER_CLOSED)
+            view = view[n:]
+    except BlockingIOError:
+        raise PeerGone(VendorErr.PEER_SILENT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None
+
+
+def prefix(iov: Iov, start: int, nbytes: int) -> Iov:
+    """A copy of the rows of ``iov[start:]`` that hold its first ``nbytes`` bytes (the last one cut)."""
+    lengths = iov[start:, 1]
+    cum = np.cumsum(lengths)
+    k = int(np.searchsorted(cum, nbytes, side="left")) + 1 if nbytes else 0
+    out = iov[start : start + k].copy()
+    if k:
+        out[-1, 1] -= np.uint64(int(cum[k - 1]) - nbytes)
+    return out
+
+
+# -- a few buffers: the socket module's own calls (one request, a response) --------------------
+
+
+def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview], total: int) -> None:
+    """Send ``buffers`` back to back with gather writes (zero copy). Raises PeerGone."""
+    try:
+        while True:
+            n = sock.sendmsg(buffers, (), _NOSIGNAL)
+            total -= n
+            if total <= 0:
+                return
+            buffers = advance_buffers(buffers, n)
+    except BlockingIOError:
+        raise PeerGone(VendorErr.SEND_TIMEOUT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None
+
+
+def advance_buffers(buffers: list[_B], n: int) -> list[_B]:
+    """``buffers`` without their first ``n`` bytes (slicing views, copying nothing)."""
+    i = 0
+    while n >= len(buffers[i]):
+        n -= len(buffers[i])
+        i += 1
+    rest = buffers[i:]
+    if n:
+        rest[0] = cast(_B, memoryview(rest[0])[n:])
+    return rest
+
+
+def recv_buffers(sock: socket.socket, views: list[memoryview], total: int) -> None:
+    """Fill ``views`` in order with ``total`` bytes (silence inside is a dead peer). Raises PeerGone."""
+    try:
+        while total > 0:
+            n = sock.recvmsg_into(views, 0, _WAITALL)[0]
+            if n == 0:
+                raise PeerGone(VendorErr.PEER_CLOSED)
+            total -= n
+            if total > 0:
+                views = advance_buffers(views, n)
+    except BlockingIOError:
+        raise PeerGone(VendorErr.PEER_SILENT) from None
+    except OSError:
+        raise PeerGone(VendorErr.PEER_RESET) from None

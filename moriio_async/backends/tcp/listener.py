@@ -1,0 +1,198 @@
+"""The rendezvous: the data port, the tokens passive pairs wait on, and both halves of the hello.
+
+A passive pair registers its token (``expect``); the active pair dials the
+data port and presents it (``dial``); the accept thread hands each connection
+a thread of its own that checks the hello (``_answer``), attaches the
+connection to the pair the token names (each token is good for one dial) and
+then serves it (``Responder.serve``). None of this touches asyncio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+
+from ...errors import BackendUnavailable, ControlPlaneError, PeerError
+from ..base import BackendOptions
+from .pairstate import PairState
+from .responder import Responder
+from .wire import HELLO, HELLO_ACK, MAGIC, VERSION, HelloStatus, PeerGone, configure_data_socket
+
+__all__ = ["Listener", "dial"]
+
+log = logging.getLogger("moriio_async.tcp")
+
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+class Listener:
+    """The backend's data port: one accept thread, one thread per accepted connection."""
+
+    def __init__(self, options: BackendOptions) -> None:
+        self.options = options
+        self._lock = threading.Lock()
+        self._closed = False
+        self._waiting: dict[bytes, PairState] = {}  # token -> passive pair expecting a dial
+        self._threads: dict[Responder, threading.Thread] = {}
+        family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((options.host, 0))
+            self._sock.listen(128)
+            self.port: int = self._sock.getsockname()[1]
+            # Peers dial what endpoint() says: a wildcard bind advertises this host's address.
+            wildcard = options.host in _WILDCARDS
+            self.host = socket.gethostbyname(socket.gethostname()) if wildcard else options.host
+        except OSError as exc:
+            self._sock.close()
+            raise BackendUnavailable(
+                f"tcp backend: cannot listen on {options.host!r}: {exc}",
+                hint="set BackendOptions.host (IOEngineConfig.host) to an address of this machine",
+            ) from exc
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"moriio-tcp-accept-{self.port}")
+        self._accept_thread.daemon = True
+        self._accept_thread.start()
+
+    def expect(self, token: bytes, st: PairState) -> None:
+        with self._lock:
+            self._waiting[token] = st
+
+    def forget(self, token: bytes) -> None:
+        with self._lock:
+            self._waiting.pop(token, None)
+
+    def close(self) -> None:
+        """Stop accepting, end every connection and join every thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self._accept_thread.join()
+        self._sock.close()
+        with self._lock:
+            threads = dict(self._threads)
+        for responder in threads:
+            responder.stop()
+        for thread in threads.values():
+            thread.join()
+
+    def _claim(self, token: bytes) -> PairState | None:
+        with self._lock:
+            return self._waiting.pop(token, None)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _addr = self._sock.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                log.warning("tcp backend port %d: accept failed: %s", self.port, exc)
+                time.sleep(0.05)  # e.g. EMFILE: do not spin
+                continue
+            responder = Responder(conn)
+            thread = threading.Thread(target=self._connection, args=(responder,), daemon=True,
+                                      name=f"moriio-tcp-resp-{self.port}")  # fmt: skip
+            responder.thread = thread
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._threads[responder] = thread
+            thread.start()
+
+    def _connection(self, responder: Responder) -> None:
+        st: PairState | None = None
+        try:
+            st = self._answer(responder)
+            if st is not None:
+                responder.serve(st)
+        except PeerGone:
+            pass
+        except BaseException:
+            log.exception("tcp responder on port %d failed", self.port)
+        finally:
+            responder.close()
+            if st is not None:
+                st.responder_done()
+            with self._lock:
+                self._threads.pop(responder, None)
+
+    def _answer(self, responder: Responder) -> PairState | None:
+        """The passive half of the hello: the token names a waiting pair, which takes the connection."""
+        sock = responder.sock
+        sock.settimeout(self.options.connect_timeout)
+        hello = bytearray(HELLO.size)
+        view = memoryview(hello)
+        try:
+            while view:
+                n = sock.recv_into(view)
+                if not n:
+                    return None
+                view = view[n:]
+            magic, version, _flags, token, _peer_qp = HELLO.unpack(hello)
+            if magic != MAGIC:
+                sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_HELLO, 0))
+                return None
+            if version != VERSION:
+                sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_VERSION, 0))
+                return None
+            st = self._claim(token)
+            if st is None or not st.attach(responder):
+                sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.UNKNOWN_TOKEN, 0))
+                return None
+            configure_data_socket(sock, self.options.retry_timeout)
+            sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, st.qp_num))
+        except OSError:
+            return None
+        return st
+
+
+def dial(host: str, port: int, token: bytes, qp_num: int, options: BackendOptions) -> socket.socket:
+    """The active half: open the data connection to the passive pair and present its token."""
+    deadline = time.monotonic() + options.connect_timeout
+    where = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=options.connect_timeout)
+    except OSError as exc:
+        raise ControlPlaneError(
+            f"qp {qp_num}: cannot open the data connection to {where}: {exc}",
+            hint="check that the peer's backend is up and its data port is reachable",
+        ) from exc
+    try:
+        sock.sendall(HELLO.pack(MAGIC, VERSION, 0, token, qp_num))
+        ack = bytearray(HELLO_ACK.size)
+        view = memoryview(ack)
+        while view:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            n = sock.recv_into(view)
+            if not n:
+                raise ConnectionResetError("connection closed during the handshake")
+            view = view[n:]
+        magic, version, status, _peer_qp = HELLO_ACK.unpack(ack)
+        if magic != MAGIC:
+            raise ControlPlaneError(f"qp {qp_num}: {where} is not a moriio tcp data port")
+        if version != VERSION or status == HelloStatus.BAD_VERSION:
+            raise ControlPlaneError(
+                f"qp {qp_num}: {where} speaks tcp wire version {version}, this side {VERSION}",
+                hint="run the same moriio_async version on both sides",
+            )
+        if status != HelloStatus.OK:
+            raise PeerError(
+                f"qp {qp_num}: {where} refused the queue-pair token ({HelloStatus(status).name})",
+                hint="the passive pair was closed or its engine restarted; exchange endpoints again",
+            )
+        configure_data_socket(sock, options.retry_timeout)
+    except OSError as exc:
+        sock.close()
+        raise ControlPlaneError(f"qp {qp_num}: handshake with {where} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
