@@ -58,7 +58,7 @@ class WorkRequest:
         return sum(s.length for s in self.sges)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class WorkBatch:
     """``n`` work requests as parallel arrays; request ``i`` has wr_id ``wr_id + i``.
 
@@ -68,9 +68,11 @@ class WorkBatch:
     ``rkey[i]``. wr_ids are consecutive because one queue pair's requests
     are numbered in posting order; a completion then names a position.
 
-    The arrays are never written after construction; backends read them
+    The arrays are never written after posting; backends read them
     (vectorised checks, ``tolist()`` once for loops) and keep no reference
-    past the completions of the requests.
+    past the completions of the requests. (Not a frozen dataclass: frozen
+    fields cost a ``object.__setattr__`` each, on the path of every single
+    read or write.)
     """
 
     wr_id: int

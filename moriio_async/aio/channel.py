@@ -30,7 +30,9 @@ def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
 
 
 # Shared by every single-request job: WorkBatch arrays are never written.
-_OPCODE_ONE = {op: _frozen(np.array((int(op),), dtype=np.uint8)) for op in Opcode}
+_READ = Opcode.RDMA_READ
+_READ_ONE = _frozen(np.array((int(Opcode.RDMA_READ),), dtype=np.uint8))
+_WRITE_ONE = _frozen(np.array((int(Opcode.RDMA_WRITE),), dtype=np.uint8))
 _NOT_SIGNALED_ONE = _frozen(np.zeros(1, dtype=np.bool_))
 _SGE_START_ONE = _frozen(np.array((0, 1), dtype=np.int64))
 
@@ -77,7 +79,7 @@ class Job:
         v = np.array((remote_addr, size, local_addr), dtype=np.uint64)
         job._batch = WorkBatch(
             0,
-            _OPCODE_ONE[opcode],
+            _READ_ONE if opcode is _READ else _WRITE_ONE,
             v[0:1],
             np.array((rkey,), dtype=np.uint32),
             v[1:2],
@@ -94,19 +96,16 @@ class Job:
 
     def chunk(self, start: int, stop: int, wr_id: int, signaled: npt.NDArray[np.bool_]) -> WorkBatch:
         """Requests ``start:stop`` as a batch numbered from ``wr_id``."""
-        b = self._batch if start == 0 and stop == len(self._batch) else self._batch.slice(start, stop)
-        return WorkBatch(
-            wr_id,
-            b.opcode,
-            b.remote_addr,
-            b.rkey,
-            b.length,
-            signaled,
-            b.sge_start,
-            b.sge_addr,
-            b.sge_length,
-            b.sge_lkey,
-        )
+        b = self._batch
+        if start == 0 and stop == len(b):
+            # The whole job goes out in one post, which happens once: number the template itself.
+            b.wr_id = wr_id
+            b.signaled = signaled
+            return b
+        b = b.slice(start, stop)
+        b.wr_id = wr_id
+        b.signaled = signaled
+        return b
 
 
 class ChannelState:
