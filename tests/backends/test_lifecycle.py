@@ -57,12 +57,13 @@ class Busy:
         mr_a = busy.a.register_memory(memoryview(busy.bufs[0]), ALL)
         mr_b = busy.b.register_memory(memoryview(busy.bufs[1]), ALL)
         busy.mrs += [(busy.a, mr_a), (busy.b, mr_b)]
-        wr = WorkRequest(1, Opcode.RDMA_WRITE, (Sge(mr_a.addr, mr_a.length, mr_a.lkey),), mr_b.addr, mr_b.rkey)
+        sges = (Sge(mr_a.addr, mr_a.length, mr_a.lkey),)
         for _ in range(2):
             qa, qb = busy.a.create_qp(cq_a), busy.b.create_qp(cq_b)
             connect(qa, qb)
             busy.qps += [qa, qb]
-            qa.post_send([wr] * 8)
+            # A batch's wr_ids are consecutive (the contract).
+            qa.post_send([WorkRequest(i, Opcode.RDMA_WRITE, sges, mr_b.addr, mr_b.rkey) for i in range(1, 9)])
         return busy
 
 
