@@ -60,6 +60,9 @@ class VerbsBackend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
         self.flush_grace = float(options.extra.get("verbs_flush_grace", 2.0))
+        self.extended_qp = bool(options.extra.get("verbs_extended_qp", True))
+        """False: plain queue pairs, one ibv_post_send per request (what a provider without
+        ``ibv_qp_ex`` send ops gets anyway); for tests and measurements."""
         self.ctx = _open_device(options)
         try:
             self._setup(options)
@@ -141,7 +144,10 @@ class VerbsBackend(Backend):
         sge = max(1, min(self.options.max_sge, self.limits.max_sge))
         while True:
             try:
-                qp = VerbsQueuePair(self.pd, cq, self.config, self._lkeys.get, depth=depth, max_sge=sge)
+                qp = VerbsQueuePair(
+                    self.ctx, self.pd, cq, self.config, self._lkeys.get, depth=depth, max_sge=sge,
+                    extended=self.extended_qp,
+                )  # fmt: skip
                 break
             except VerbsError as exc:
                 # max_qp_wr is what the device can index, not what memory allows: rxe says
