@@ -15,11 +15,15 @@ Process CPU accounting is no help here: under emulation it is sampled at the tic
 
 * ``one``: one ``SendWR`` and one ``post_send`` per request (what the backend did before batches);
 * ``chain``: fresh ``SendWR`` objects linked with ``next_wr``, one ``post_send``;
-* ``chain-pool``: the same with ``SendWR``/``SGE`` objects made once and refilled;
+* ``chain-pool``: the same with ``SendWR``/``SGE`` objects made once and refilled (each pooled
+  ``SendWR``'s ``sg_list`` pointed at its own reusable ``SGE``: pointer aliasing that pyverbs 59
+  survives only because its ``__dealloc`` is misspelled, so nothing frees twice);
 * ``qpex``: ``wr_start``, per request ``wr_id``/``wr_flags``, ``wr_rdma_write``, one reused ``SGE``
-  refilled and ``wr_set_sge``, then one ``wr_complete``;
+  refilled and ``wr_set_sge``, then one ``wr_complete`` (what the backend does);
 * ``qpex-list``: the same with ``wr_set_sge_list(1, [sge])``;
 * ``4-sge chain`` / ``4-sge qpex-list``: four equal 1 KiB scatter entries per request.
+
+Both the pooled chain and ``qpex`` set a field only when it changed (flags, length, lkey).
 
 Then the rxe provider's ``wr_set_sge_list`` with scatter entries of different lengths: rdma-core
 59's ``providers/rxe/rxe.c`` sums ``num_sge`` times the *first* entry's length (its loop never
@@ -169,28 +173,36 @@ class Pool:
         k = len(self.wrs) - len(reqs)
         for wr, sge, (wr_id, flags, raddr, rkey, laddr, lkey) in zip(self.wrs[k:], self.sges[k:], reqs, strict=True):
             wr.wr_id = wr_id
-            wr.send_flags = flags
+            if wr.send_flags != flags:  # what the backend would do: set only what changed
+                wr.send_flags = flags
             wr.set_wr_rdma(rkey, raddr)
             sge.addr = laddr
-            sge.length = BLOCK
-            sge.lkey = lkey
+            if sge.length != BLOCK:
+                sge.length = BLOCK
+            if sge.lkey != lkey:
+                sge.lkey = lkey
         built = time.perf_counter() - t0
         rig.a.post_send(self.wrs[k])
         return built
 
 
 def post_qpex(rig: Rig, reqs: list[Request], sge: SGE) -> float:
+    """As the backend does it (moriio_async/backends/verbs/_pyverbs/qp.py): unchanged fields are not set again."""
     t0 = time.perf_counter()
     qp = rig.a
     write, set_sge = qp.wr_rdma_write, qp.wr_set_sge
+    flags = length = key = -1
     qp.wr_start()
-    for wr_id, flags, raddr, rkey, laddr, lkey in reqs:
+    for wr_id, f, raddr, rkey, laddr, lkey in reqs:
         qp.wr_id = wr_id
-        qp.wr_flags = flags
+        if f != flags:
+            qp.wr_flags = flags = f
         write(rkey, raddr)
         sge.addr = laddr
-        sge.length = BLOCK
-        sge.lkey = lkey
+        if length != BLOCK:
+            sge.length = length = BLOCK
+        if lkey != key:
+            sge.lkey = key = lkey
         set_sge(sge)
     built = time.perf_counter() - t0
     qp.wr_complete()
