@@ -85,6 +85,8 @@ class IOEngine:
         self._server: asyncio.Server | None = None
         self._port = 0
         self._regions: dict[int, LocalRegion] = {}
+        """By the backend region's lkey, which is unique per device. Not by rkey: a region without
+        remote access has no meaningful rkey (rxe gives every one of them rkey 0)."""
         self._peers: dict[str, _Peer] = {}
         self._links: set[ControlLink] = set()
         self._channels: dict[int, QpChannel] = {}
@@ -198,12 +200,13 @@ class IOEngine:
         access = Access.all() if access is None else Access(access)
         mr = backend.register_memory(view, access)
         desc = MemoryDesc(self.key, self.incarnation, name, mr.addr, mr.length, mr.rkey, access)
-        self._regions[mr.rkey] = LocalRegion(desc, mr)
+        self._regions[mr.lkey] = LocalRegion(desc, mr)
         return desc
 
     def _region(self, desc: MemoryDesc) -> LocalRegion:
-        region = self._regions.get(desc.rkey)
-        if region is None or region.desc != desc:
+        # A scan, not a lookup by rkey (see _regions); an engine holds a handful of regions.
+        region = next((r for r in self._regions.values() if r.desc == desc), None)
+        if region is None:
             raise InvalidArgument(f"{desc.name or 'region'} is not a live registration of engine {self.key!r}")
         return region
 
@@ -226,7 +229,7 @@ class IOEngine:
 
     def _deregister(self, region: LocalRegion) -> None:
         region.live = False
-        del self._regions[region.desc.rkey]
+        del self._regions[region.mr.lkey]
         if self._backend is not None:
             self._backend.deregister_memory(region.mr)
 
