@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
 from ...status import Access, Opcode
 from ...work import WorkBatch
@@ -30,14 +29,12 @@ def covers(region: VerbsMemoryRegion, addr: int, length: int, *, write: bool) ->
     return not write or bool(region.access & Access.LOCAL_WRITE)
 
 
-def first_bad_local(
-    batch: WorkBatch, regions: Callable[[int], VerbsMemoryRegion | None], counts: npt.NDArray[np.int64]
-) -> int | None:
+def first_bad_local(batch: WorkBatch, regions: Callable[[int], VerbsMemoryRegion | None]) -> int | None:
     """The index of the first request with a scatter entry outside its live local region (or, for a
     READ, in a region without LOCAL_WRITE); None when every entry is fine.
 
     Vectorised over the batch: one pass per distinct lkey (a batch has one, as a rule).
-    ``counts`` is each request's number of entries (all >= 1).
+    Every request has at least one entry (the caller checked).
     """
     keys = batch.sge_lkey
     if len(batch) == 1 and len(keys) == 1:  # a single read or write: no arrays
@@ -46,7 +43,7 @@ def first_bad_local(
         fine = region is not None and covers(region, int(batch.sge_addr[0]), int(batch.sge_length[0]), write=write)
         return None if fine else 0
     addr, length = batch.sge_addr, batch.sge_length
-    reads = np.repeat(batch.opcode == Opcode.RDMA_READ, counts)
+    reads = np.repeat(batch.opcode == Opcode.RDMA_READ, np.diff(batch.sge_start))
     first = int(keys[0])
     distinct = [first] if bool((keys == first).all()) else np.unique(keys).tolist()
     ok = np.zeros(len(keys), dtype=np.bool_)

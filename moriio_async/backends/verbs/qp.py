@@ -22,6 +22,7 @@ from ._pyverbs import Context, PdHandle, QpHandle
 from .checks import first_bad_local
 from .cq import VerbsCompletionQueue
 from .facts import LINK_LAYER_ETHERNET, DeviceLimits, PortFacts
+from .faults import PairFaults, VerbsFaultSeam
 from .ledger import FENCE_WR_ID, SendLedger
 from .memory import VerbsMemoryRegion
 from .values import PathParams, VerbsError
@@ -73,6 +74,7 @@ class VerbsQueuePair(QueuePair):
         depth: int,
         max_sge: int,
         extended: bool = True,
+        faults: VerbsFaultSeam | None = None,
     ) -> None:
         access = int(Access.all())
         # One slot more than offered: room for the fence (see _fail_from).
@@ -97,6 +99,14 @@ class VerbsQueuePair(QueuePair):
         self.lock = threading.Lock()
         """Held by ``close`` and by the event watcher, so no thread touches a destroyed pair."""
         self.closed = False
+        self.faults: PairFaults | None = None
+        """A fault plan's hold on this pair (tests and ``moriio-async faults`` only)."""
+        if faults is not None:
+            self.faults = PairFaults(
+                faults, self.qp_num, post=self._post_now, fail=self._fail_from,
+                outstanding=lambda: self.ledger.outstanding, dead=lambda: self.ledger.dead, wake=cq.wake,
+            )  # fmt: skip
+            cq.fault_hooks[self.qp_num] = self.faults.due
         self._psn = secrets.randbits(24)
         self._rd_atom = max(1, min(config.limits.max_qp_rd_atom, _MAX_RD_ATOM))
 
@@ -166,10 +176,18 @@ class VerbsQueuePair(QueuePair):
         if bad_shape.any() or (len(batch.sge_length) and int(batch.sge_length.max()) > _MAX_SGE_BYTES):
             raise InvalidArgument(self._shape_error(batch, counts))
         ledger = self.ledger
-        if n > ledger.free:
+        free = ledger.free - (0 if self.faults is None else self.faults.waiting)
+        if n > free:
             raise SendQueueFull(
-                f"QP {self.qp_num}: {n} requests, {ledger.free} of {ledger.depth} slots free ({ledger.describe()})"
+                f"QP {self.qp_num}: {n} requests, {free} of {ledger.depth} slots free ({ledger.describe()})"
             )
+        if self.faults is not None:
+            self.faults.submit(batch)  # it posts through _post_now what the plan lets through
+        else:
+            self._post_now(batch)
+
+    def _post_now(self, batch: WorkBatch) -> None:
+        n, ledger = len(batch), self.ledger
         if ledger.must_synthesize or self.closed:
             ledger.refused(batch, WcStatus.WR_FLUSH_ERR)
             self.cq.wake()
@@ -177,7 +195,7 @@ class VerbsQueuePair(QueuePair):
         # Local SGEs are checked here, not by the device: rxe reports a bad lkey on a WRITE as
         # LOC_QP_OP_ERR and moves the packets before a bad one, so a request that would fail
         # locally never reaches the wire and fails LOC_PROT_ERR, in order, with nothing moved.
-        bad = first_bad_local(batch, self._regions, counts)
+        bad = first_bad_local(batch, self._regions)
         good = n if bad is None else bad
         taken, error = self.handle.post(batch, good) if good else (0, None)
         ledger.posted(batch, taken)
@@ -190,7 +208,7 @@ class VerbsQueuePair(QueuePair):
                         status.name)  # fmt: skip
         else:
             taken, status = good, WcStatus.LOC_PROT_ERR
-        self._fail_from(batch, taken, status)
+        self._fail_from([(batch, taken)], status)
 
     def _shape_error(self, batch: WorkBatch, counts: npt.NDArray[np.int64]) -> str:
         for i, k in enumerate(counts.tolist()):
@@ -206,15 +224,17 @@ class VerbsQueuePair(QueuePair):
                 )
         raise AssertionError("no bad request found")  # pragma: no cover
 
-    def _fail_from(self, batch: WorkBatch, start: int, status: WcStatus) -> None:
-        """Requests ``start:`` of ``batch`` never reached the device: the first ends with ``status``,
-        the others flush.
+    def _fail_from(self, parts: list[tuple[WorkBatch, int]], status: WcStatus) -> None:
+        """Requests ``start:`` of each ``(batch, start)`` never reached the device: the first ends
+        with ``status``, the others flush.
 
         The pair is moved to ERR (the contract: after an error every request flushes) and a
         fence is posted, whose flush completion covers earlier unsignaled requests, so the
         made-up completions are delivered right after the hardware's own, in order.
         """
-        self.ledger.refused(batch, status, start)
+        for batch, start in parts:
+            self.ledger.refused(batch, status, start)
+            status = WcStatus.WR_FLUSH_ERR
         failure: VerbsError | None = None
         with self.lock:
             if not self.closed:
@@ -231,6 +251,8 @@ class VerbsQueuePair(QueuePair):
         self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
 
     def to_error(self) -> None:
+        if self.faults is not None:
+            self.faults.abort()  # requests a fault plan still holds flush after the device's (at the next poll)
         with self.lock:
             if self.closed:
                 return
@@ -242,6 +264,9 @@ class VerbsQueuePair(QueuePair):
         self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
 
     def close(self) -> None:
+        if self.faults is not None and not self.closed:
+            self.faults.fail_all()
+            self.faults.close()
         with self.lock:
             if self.closed:
                 return
