@@ -2,16 +2,24 @@
 
 Runs INSIDE the QEMU guest (tools/guest), never on the host:
 
-    python3 tools/guest/run.py --timeout 900 -- python3 benchmarks/verbs_vs_perftest.py
+    python3 tools/guest/run.py --timeout 1500 -- python3 benchmarks/verbs_vs_perftest.py
     python3 tools/guest/run.py -- python3 benchmarks/verbs_vs_perftest.py --sizes 64K --iters 100
 
 For each message size, perftest runs first (server and client as two processes on the same rxe
 device, which loops the traffic internally; RoCE v2 IPv4 GID; ``-t`` = the same number in
 flight), then moriio_async with two engines in two processes (a target that registers a buffer,
-an initiator that issues single-block ``session.write`` / ``session.read`` keeping that many
-outstanding) over ``backend="verbs"``. Both report MiB/s and operations per second; the ratio
-moriio_async / perftest is the figure to track: emulation makes the absolute numbers meaningless.
-The table is printed and the rows go to ``$MORIIO_GUEST_OUT/verbs_vs_perftest.json``.
+an initiator on ``backend="verbs"``) in two shapes:
+
+* single: one block per ``session.write`` / ``session.read``, that many outstanding;
+* batch N: ``session.batch_write`` / ``batch_read`` of N non-contiguous blocks (every other block
+  on both sides, so nothing merges: one work request per block), two batches in flight.
+
+Both report MiB/s and operations (blocks) per second; the ratio moriio_async / perftest for the
+same operation and block size is the figure to track: emulation makes the absolute numbers
+meaningless. The table is printed and the rows go to ``$MORIIO_GUEST_OUT/verbs_vs_perftest.json``.
+
+    python3 tools/guest/run.py --timeout 1500 -- python3 benchmarks/verbs_vs_perftest.py \
+        --sizes 4K 64K --batches 64 1024
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ MIB = 1 << 20
 # operation costs milliseconds (see tools/guest/PYVERBS_NOTES.md). Measured: the whole run takes
 # about 1.5 min of guest time (2.5 min with the boot).
 DEFAULT_ITERS = {4 << 10: 2000, 64 << 10: 300, 1 << 20: 40}
+# Blocks per batch measurement (a whole number of batches, at least two), per block size.
+DEFAULT_BATCH_BLOCKS = {4 << 10: 4096, 64 << 10: 2048, 1 << 20: 128}
+BATCH_WINDOW = 2
 
 
 def parse_size(text: str) -> int:
@@ -129,17 +140,51 @@ async def windowed(session: Any, op: str, block: int, depth: int, count: int, re
     return time.perf_counter() - start
 
 
-async def moriio(plan: list[tuple[int, int]], depth: int, args: argparse.Namespace) -> dict[tuple[int, str], Any]:
+async def batched(session: Any, op: str, block: int, n: int, total: int, window: int) -> float:
+    """Seconds for ``total`` blocks as batches of ``n`` non-contiguous blocks, ``window`` batches outstanding."""
+    import numpy as np
+
+    offsets = np.arange(n, dtype=np.int64) * (2 * block)  # every other block: nothing merges
+    sizes = np.full(n, block, dtype=np.int64)
+    call = session.batch_read if op == "read" else session.batch_write
+    pending: collections.deque[Any] = collections.deque()
+    start = time.perf_counter()
+    for _ in range(max(total // n, 1)):
+        pending.append(call(offsets, offsets, sizes))
+        if len(pending) >= window:
+            await pending.popleft()
+    while pending:
+        await pending.popleft()
+    return time.perf_counter() - start
+
+
+def _record(
+    results: dict[tuple[str, int, str], Any], key: tuple[str, int, str], count: int, size: int, secs: float
+) -> None:
+    results[key] = r = {"MiBps": count * size / secs / MIB, "ops_per_s": count / secs, "iters": count,
+                        "wall_s": round(secs, 2)}  # fmt: skip
+    kind, _, op = key
+    print(
+        f"moriio_async {kind:<10} {op:<5} {label(size):>7}: {r['MiBps']:9.2f} MiB/s {r['ops_per_s']:9.1f} op/s"
+        f"  ({count} in {secs:.1f} s)",
+        flush=True,
+    )
+
+
+async def moriio(
+    plan: list[tuple[int, int]], batch_plan: list[tuple[int, int, int]], depth: int, args: argparse.Namespace
+) -> dict[tuple[str, int, str], Any]:
+    """Single-op rows keyed ("single", size, op); batch rows keyed ("batch N", size, op)."""
     import numpy as np
 
     from moriio_async import IOEngine, IOEngineConfig
 
-    region = max(size for size, _ in plan) * depth
+    region = max([size * depth for size, _ in plan] + [2 * n * size for n, size, _ in batch_plan] + [4096 * depth])
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(region, args.device, child))
     proc.start()
-    results: dict[tuple[int, str], Any] = {}
+    results: dict[tuple[str, int, str], Any] = {}
     try:
         if not parent.poll(args.step_timeout):
             raise RuntimeError("the target process did not start")
@@ -155,18 +200,12 @@ async def moriio(plan: list[tuple[int, int]], depth: int, args: argparse.Namespa
             for size, iters in plan:
                 for op in ("write", "read"):
                     secs = await asyncio.wait_for(windowed(session, op, size, depth, iters, region), args.step_timeout)
-                    results[(size, op)] = {
-                        "MiBps": iters * size / secs / MIB,
-                        "ops_per_s": iters / secs,
-                        "iters": iters,
-                        "wall_s": round(secs, 2),
-                    }
-                    r = results[(size, op)]
-                    print(
-                        f"moriio_async {op:<5} {label(size):>7}: {r['MiBps']:9.2f} MiB/s {r['ops_per_s']:9.1f} op/s"
-                        f"  ({iters} in {secs:.1f} s)",
-                        flush=True,
-                    )
+                    _record(results, ("single", size, op), iters, size, secs)
+            for n, size, total in batch_plan:
+                for op in ("write", "read"):
+                    coro = batched(session, op, size, n, total, BATCH_WINDOW)
+                    secs = await asyncio.wait_for(coro, args.step_timeout)
+                    _record(results, (f"batch {n}", size, op), max(total // n, 1) * n, size, secs)
             await engine.notify("bench-target", b"done")
     finally:
         proc.join(15)
@@ -183,12 +222,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else "n/a"
 
     lines = [
-        "| op | size | iters | perftest MiB/s | moriio_async MiB/s | perftest op/s | moriio_async op/s | ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| op | shape | size | ops | perftest MiB/s | moriio_async MiB/s | perftest op/s | moriio_async op/s | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['op']} | {label(r['size'])} | {r['iters']} | {num(r['perftest_MiBps'], '.2f')} "
+            f"| {r['op']} | {r['shape']} | {label(r['size'])} | {r['iters']} | {num(r['perftest_MiBps'], '.2f')} "
             f"| {num(r['moriio_MiBps'], '.2f')} | {num(r['perftest_ops'], '.0f')} | {num(r['moriio_ops'], '.0f')} "
             f"| {num(r['ratio'], '.2f')} |"
         )
@@ -204,13 +243,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["4K", "64K", "1M"])
     parser.add_argument("--iters", type=int, help="iterations per measurement (default: per size, see DEFAULT_ITERS)")
     parser.add_argument("--depth", type=int, default=16, help="operations in flight (perftest -t)")
+    parser.add_argument("--batches", nargs="*", type=int, default=[64, 1024], help="blocks per batch (none: skip)")
+    parser.add_argument("--batch-sizes", nargs="*", default=["4K", "64K"], help="block sizes of the batch rows")
+    parser.add_argument("--batch-blocks", type=int, help="blocks per batch measurement (default: DEFAULT_BATCH_BLOCKS)")
+    parser.add_argument("--no-single", action="store_true", help="skip the single-op rows")
     parser.add_argument("--step-timeout", type=float, default=180.0, help="seconds allowed per measurement")
     parser.add_argument("--json", help="default: $MORIIO_GUEST_OUT/verbs_vs_perftest.json")
     args = parser.parse_args(argv)
     if not os.environ.get("MORIIO_GUEST"):
         print(
             "verbs_vs_perftest: runs inside the Soft-RoCE guest only (MORIIO_GUEST is unset). Run:\n"
-            "    python3 tools/guest/run.py --timeout 900 -- python3 benchmarks/verbs_vs_perftest.py",
+            "    python3 tools/guest/run.py --timeout 1500 -- python3 benchmarks/verbs_vs_perftest.py",
             file=sys.stderr,
         )
         return 2
@@ -218,16 +261,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.ip = os.environ.get("MORIIO_GUEST_SELF_IP", "10.77.1.1")
     args.gid_index = roce_v2_ipv4_gid(args.device)
     sizes = [parse_size(s) for s in args.sizes]
-    plan = [(size, max(args.iters or DEFAULT_ITERS.get(size, 100), 5)) for size in sizes]
+    plan = [] if args.no_single else [(size, max(args.iters or DEFAULT_ITERS.get(size, 100), 5)) for size in sizes]
+    batch_sizes = [parse_size(s) for s in args.batch_sizes]
+    batch_plan = [
+        (n, size, max(args.batch_blocks or DEFAULT_BATCH_BLOCKS.get(size, 256), 2 * n))
+        for size in batch_sizes
+        for n in args.batches
+    ]
+    perf_plan = {size: max(args.iters or DEFAULT_ITERS.get(size, 100), 5) for size in [*sizes, *batch_sizes]}
     print(
         f"verbs_vs_perftest: {args.device} gid {args.gid_index} ip {args.ip} depth {args.depth} "
-        f"plan {[(label(s), n) for s, n in plan]}, python {sys.version.split()[0]}",
+        f"single {[(label(s), n) for s, n in plan]} batches {[(n, label(s), t) for n, s, t in batch_plan]}, "
+        f"python {sys.version.split()[0]}",
         flush=True,
     )
     began = time.monotonic()
     perf: dict[tuple[int, str], Any] = {}
     port = 18515
-    for size, iters in plan:
+    for size, iters in perf_plan.items():
         for op in ("write", "read"):
             t0 = time.monotonic()
             perf[(size, op)] = r = perftest(f"ib_{op}_bw", size, iters, args.depth, args, port)
@@ -239,18 +290,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
     try:
-        mine = asyncio.run(moriio(plan, args.depth, args))
+        mine = asyncio.run(moriio(plan, batch_plan, args.depth, args))
     except Exception as exc:  # keep perftest's figures even when moriio_async fails
         print(f"moriio_async failed: {exc!r}", flush=True)
         mine = {}
     rows = []
-    for size, iters in plan:
+    shapes = [("single", size, iters) for size, iters in plan]
+    shapes += [(f"batch {n}", size, max(total // n, 1) * n) for n, size, total in batch_plan]
+    for shape, size, iters in shapes:
         for op in ("write", "read"):
-            p, m = perf.get((size, op), {}), mine.get((size, op), {})
+            p, m = perf.get((size, op), {}), mine.get((shape, size, op), {})
             ratio = m["MiBps"] / p["MiBps"] if "MiBps" in m and p.get("MiBps") else None
             rows.append(
                 {
                     "op": op,
+                    "shape": shape,
                     "size": size,
                     "iters": iters,
                     "depth": args.depth,

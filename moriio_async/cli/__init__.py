@@ -12,7 +12,7 @@ __all__ = ["main"]
 # name -> (module, one-line help); each module has add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "doctor": ("moriio_async.cli.doctor", "check this node: pyverbs, RDMA devices, GIDs, memlock, TCP"),
-    "faults": ("moriio_async.cli.faults", "run a fault plan between two processes on loopback (TCP backend)"),
+    "faults": ("moriio_async.cli.faults", "run a fault plan between two processes on loopback (tcp or verbs backend)"),
 }
 
 

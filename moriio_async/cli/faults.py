@@ -1,8 +1,11 @@
 """``moriio-async faults PLAN.json``: run a fault plan between two processes on loopback.
 
-It starts a target process and an initiator process, both TCP-backend
-engines with the plan's hooks (stall and kill act in the target, the rest
-in the initiator), makes the initiator post a batch of single-request
+It starts a target process and an initiator process, both engines of the
+same backend: TCP by default, with the plan's hooks (stall and kill act in
+the target, the rest in the initiator); or ``--backend verbs``, where the
+initiator's engine takes the whole plan in ``backend_extra={"fault_plan": ...}``
+and applies it at its queue pairs (one-sided verbs run nothing in the target
+to stall or kill; see ``backends/verbs/faults.py``). The initiator posts a batch of single-request
 transfers on one session, waits for them with a deadline, and prints each
 transfer's outcome as the wait left it, the faults that fired, and a
 summary. ``--json`` prints the same as one JSON object per line. The exit
@@ -53,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="silence after which a request fails with RETRY_EXC_ERR (default 1)",
     )  # fmt: skip
     parser.add_argument("--sq-depth", type=int, default=256, help="send-queue depth (default 256)")
+    parser.add_argument(
+        "--backend", choices=("tcp", "verbs"), default="tcp",
+        help="tcp (default), or verbs: the plan applied at the initiator's queue pairs (no kill)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="loopback address both processes use")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     parser.add_argument("--role", choices=("run", "target", "initiator"), default="run", help=argparse.SUPPRESS)
@@ -131,8 +138,12 @@ async def run_batch(
 # -- the two processes -----------------------------------------------------------------------
 
 
-def _config(args: argparse.Namespace, hooks: PlanHooks) -> IOEngineConfig:
-    return tcp_config(hooks, host=args.host, retry_timeout=args.retry_timeout, sq_depth=args.sq_depth)
+def _config(args: argparse.Namespace, hooks: PlanHooks, plan: FaultPlan | None = None) -> IOEngineConfig:
+    """TCP: the plan's hooks for this side; verbs: the whole plan (initiator) or nothing (target)."""
+    fields: dict[str, Any] = {"host": args.host, "retry_timeout": args.retry_timeout, "sq_depth": args.sq_depth}
+    if args.backend == "tcp":
+        return tcp_config(hooks, **fields)
+    return IOEngineConfig(backend=args.backend, backend_extra={} if plan is None else {"fault_plan": plan}, **fields)
 
 
 def _emit(data: dict[str, Any]) -> None:
@@ -162,7 +173,8 @@ async def _target(args: argparse.Namespace, plan: FaultPlan) -> int:
 
 async def _initiator(args: argparse.Namespace, plan: FaultPlan) -> int:
     hooks = PlanHooks(plan.side(target=False))
-    async with IOEngine("faults-initiator", _config(args, hooks)) as engine:
+    verbs = args.backend == "verbs"
+    async with IOEngine("faults-initiator", _config(args, hooks, plan if verbs else None)) as engine:
         result = await run_batch(
             engine,
             args.connect,
@@ -176,7 +188,10 @@ async def _initiator(args: argparse.Namespace, plan: FaultPlan) -> int:
         for i, (outcome, listed, ok) in enumerate(zip(result.outcomes, result.listed, result.data_ok, strict=True)):
             _emit({"event": "transfer", "index": i, "op": args.op, "bytes": args.size, "outcome": outcome,
                    "listed": listed, "data_ok": ok})  # fmt: skip
-        _emit({"event": "faults", "side": "initiator", "applied": [_applied(a) for a in hooks.applied]})
+        # On verbs the backend applied the whole plan, and its description lists what fired.
+        verbs_applied = engine.describe_backend()["fault_plan"]["applied"] if verbs else None
+        applied = verbs_applied if verbs_applied is not None else [_applied(a) for a in hooks.applied]
+        _emit({"event": "faults", "side": "initiator", "applied": applied})
         summary = result.summary()
         _emit({"event": "summary", **summary, "timeout": args.timeout, "deadline_reached": result.deadline_reached})
     return 0
@@ -193,7 +208,7 @@ def _child(args: argparse.Namespace, role: str, extra: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "moriio_async.cli.faults", args.plan, "--role", role]
     argv += ["--transfers", str(args.transfers), "--size", str(args.size), "--op", args.op]
     argv += ["--timeout", repr(args.timeout), "--retry-timeout", repr(args.retry_timeout)]
-    argv += ["--sq-depth", str(args.sq_depth), "--host", args.host, *extra]
+    argv += ["--sq-depth", str(args.sq_depth), "--host", args.host, "--backend", args.backend, *extra]
     return argv + (["--fail-fast"] if args.fail_fast else [])
 
 
@@ -226,6 +241,10 @@ def run(args: argparse.Namespace, out: Out = print) -> int:
         plan = FaultPlan.loads(Path(args.plan).read_text())
     except (OSError, MoriioError) as exc:
         print(f"moriio-async faults: {exc}", file=sys.stderr)
+        return 2
+    if args.backend == "verbs" and plan.kills:
+        print("moriio-async faults: kill rules need --backend tcp (one-sided verbs run nothing in the target "
+              "process to kill it)", file=sys.stderr)  # fmt: skip
         return 2
     if args.role == "target":
         return asyncio.run(_target(args, plan))

@@ -62,12 +62,17 @@ class LocalRegion:
 
 
 class MemoryRegistry:
-    """The engine's registered regions by rkey, and the ones it exports by name."""
+    """The engine's registered regions, and the ones it exports by name.
+
+    Keyed by the whole descriptor, not by rkey: a region without remote access has no
+    meaningful rkey (rxe gives every one of them rkey 0), so two such regions would
+    collide and deregistering one would drop the other.
+    """
 
     def __init__(self, key: str, incarnation: int) -> None:
         self._key = key
         self._incarnation = incarnation
-        self._regions: dict[int, LocalRegion] = {}
+        self._regions: dict[MemoryDesc, LocalRegion] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -79,19 +84,19 @@ class MemoryRegistry:
         access = Access.all() if access is None else Access(access)
         mr = backend.register_memory(view, access)
         desc = MemoryDesc(self._key, self._incarnation, name, mr.addr, mr.length, mr.rkey, access)
-        self._regions[mr.rkey] = LocalRegion(desc, mr)
+        self._regions[desc] = LocalRegion(desc, mr)
         return desc
 
     def lookup(self, desc: MemoryDesc) -> LocalRegion:
         """The live registration ``desc`` describes, or ``InvalidArgument``."""
-        region = self._regions.get(desc.rkey)
-        if region is None or region.desc != desc:
+        region = self._regions.get(desc)
+        if region is None:
             raise InvalidArgument(f"{desc.name or 'region'} is not a live registration of engine {self._key!r}")
         return region
 
     def deregister(self, region: LocalRegion, backend: Backend | None) -> None:
         region.live = False
-        del self._regions[region.desc.rkey]
+        del self._regions[region.desc]
         if backend is not None:
             backend.deregister_memory(region.mr)
 

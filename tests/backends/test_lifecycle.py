@@ -62,7 +62,8 @@ class Busy:
             qa, qb = busy.a.create_qp(cq_a), busy.b.create_qp(cq_b)
             connect(qa, qb)
             busy.qps += [qa, qb]
-            qa.post_send([WorkRequest(i, Opcode.RDMA_WRITE, sges, mr_b.addr, mr_b.rkey) for i in range(8)])
+            # A batch's wr_ids are consecutive (the contract).
+            qa.post_send([WorkRequest(i, Opcode.RDMA_WRITE, sges, mr_b.addr, mr_b.rkey) for i in range(1, 9)])
         return busy
 
 

@@ -29,7 +29,15 @@ Design, in one place:
   since pyverbs 59 does not say which pair; a pair in ERR that the device
   has not flushed within ``extra["verbs_flush_grace"]`` (2 s) is flushed
   from its ledger.
-* rxe quirks handled: ``retry_cnt`` 7 means "forever" there (clipped to 6);
+* Posting: a whole chunk per call, as one extended-QP section (``wr_start``,
+  per request ``wr_id``/``wr_flags``/``wr_rdma_*`` and a reused ``SGE``,
+  ``wr_complete``: one doorbell); the ledger keeps spans over the posted
+  batch, and local entries are checked vectorised per chunk (``checks.py``).
+  Providers without extended-QP send ops (or ``extra["verbs_extended_qp"]``
+  False) post one ``ibv_post_send`` per request.
+* rxe quirks handled: ``wr_set_sge_list`` miscounts a request whose scatter
+  entries differ in length (such a request is posted alone with
+  ``ibv_post_send``); ``retry_cnt`` 7 means "forever" there (clipped to 6);
   a bad WRITE lkey is LOC_QP_OP_ERR after packets moved (checked before
   posting instead); ``max_qp_wr`` is 1M (queues halve until they fit).
 """

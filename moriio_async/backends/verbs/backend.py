@@ -16,6 +16,7 @@ from ._pyverbs import PYVERBS_VERSION, Context, PdHandle, has_channel_fd, list_d
 from .cq import VerbsCompletionQueue
 from .events import EVENT_NAMES, AsyncEventWatcher
 from .facts import GID_TYPE_NAMES, PORT_STATE_NAMES
+from .faults import VerbsFaultSeam
 from .gid import choose_gid
 from .qp import QPS_ERR, QPS_SQE, PortConfig, VerbsQueuePair
 from .values import VerbsError
@@ -60,6 +61,10 @@ class VerbsBackend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
         self.flush_grace = float(options.extra.get("verbs_flush_grace", 2.0))
+        self.extended_qp = bool(options.extra.get("verbs_extended_qp", True))
+        """False: plain queue pairs, one ibv_post_send per request (what a provider without
+        ``ibv_qp_ex`` send ops gets anyway); for tests and measurements."""
+        self.fault_seam = VerbsFaultSeam.from_extra(options.extra, options.retry_timeout)
         self.ctx = _open_device(options)
         try:
             self._setup(options)
@@ -141,7 +146,10 @@ class VerbsBackend(Backend):
         sge = max(1, min(self.options.max_sge, self.limits.max_sge))
         while True:
             try:
-                qp = VerbsQueuePair(self.pd, cq, self.config, self._lkeys.get, depth=depth, max_sge=sge)
+                qp = VerbsQueuePair(
+                    self.ctx, self.pd, cq, self.config, self._lkeys.get, depth=depth, max_sge=sge,
+                    extended=self.extended_qp, faults=self.fault_seam,
+                )  # fmt: skip
                 break
             except VerbsError as exc:
                 # max_qp_wr is what the device can index, not what memory allows: rxe says
@@ -185,6 +193,7 @@ class VerbsBackend(Backend):
             "max_cqe": self.limits.max_cqe,
             "max_qp_rd_atom": self.limits.max_qp_rd_atom,
             "async_events": self.watcher is not None,
+            **({} if self.fault_seam is None else {"fault_plan": self.fault_seam.describe()}),
         }
 
     def close(self) -> None:

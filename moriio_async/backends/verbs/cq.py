@@ -26,6 +26,7 @@ import logging
 import os
 import select
 import threading
+from collections.abc import Callable
 
 from ...status import WcStatus
 from ...work import WorkCompletion
@@ -46,6 +47,8 @@ class VerbsCompletionQueue(CompletionQueue):
         self.handle = CqHandle(ctx, depth)
         self.ledgers: dict[int, SendLedger] = {}
         """qp_num -> ledger, for every pair whose send completions come here."""
+        self.fault_hooks: dict[int, Callable[[], None]] = {}
+        """qp_num -> a fault plan's check, run at every poll (``faults.py``; tests only)."""
         self._lock = threading.Lock()
         self._kills: list[tuple[int, WcStatus]] = []
         self._eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -101,6 +104,8 @@ class VerbsCompletionQueue(CompletionQueue):
                 out.append(wc)
         if drained:
             self._apply_kills()
+        for hook in list(self.fault_hooks.values()):
+            hook()
         for ledger in list(self.ledgers.values()):
             if len(out) >= max_entries:
                 break
@@ -108,6 +113,7 @@ class VerbsCompletionQueue(CompletionQueue):
                 out.extend(ledger.take_synth(max_entries - len(out)))
             if ledger.closed and ledger.held == 0:
                 del self.ledgers[ledger.qp_num]
+                self.fault_hooks.pop(ledger.qp_num, None)
         return out
 
     def close(self) -> None:

@@ -5,53 +5,80 @@ an RDMA WRITE or a flushed request does not say its opcode or length (verbs
 leaves ``opcode`` and ``byte_len`` undefined on error completions), an
 unsignaled success has no completion at all, and a queue pair on a dead
 device may never produce the flushes the contract promises. So the backend
-keeps, per queue pair and on the event-loop thread only, the ordered list of
-requests it gave the hardware, and:
+keeps, per queue pair and on the event-loop thread only, the ordered record
+of requests it gave the hardware, and:
 
 * a hardware completion covers its own request and every earlier one still
   listed (RC completes in order, so an unsignaled request before a completed
   one is done); the covered ones give back their send-queue slots;
 * requests the hardware never got (posted after the pair was declared dead, or
-  refused by ``ibv_post_send``) complete "synthetically", from this ledger;
-  synthetic completions wait until every earlier hardware request is covered,
-  so a pair's completions stay in posting order;
+  refused by the post) complete "synthetically", from this ledger; synthetic
+  completions wait until every earlier hardware request is covered, so a
+  pair's completions stay in posting order;
 * ``kill`` (a fatal device event, or a destroyed pair) turns every request still
   listed into a synthetic completion and from then on ignores the hardware's
   completions for this pair, which would only repeat them.
+
+Requests are recorded as spans over the posted ``WorkBatch`` (its wr_ids are
+consecutive), never as an object per request: posting a chunk appends one span,
+a completion trims or drops spans, and the batch's arrays are read only for the
+one request a completion names. Made-up completions are spans too, expanded one
+completion per request only when polled (a failed request always completes).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 from ...status import Opcode, WcStatus
-from ...work import WorkCompletion, WorkRequest
+from ...work import WorkBatch, WorkCompletion
 
 __all__ = ["FENCE_WR_ID", "SendLedger"]
 
 FENCE_WR_ID = (1 << 64) - 1
 """The wr_id of the backend's own fence request (never delivered): see ``SendLedger.fence``."""
 
+_OPCODES = {int(op): op for op in Opcode}
 
-@dataclass(frozen=True, slots=True)
-class _Posted:
-    wr_id: int
-    opcode: Opcode
-    length: int
+
+class _Span:
+    """wr_ids ``pos..end-1`` of ``batch`` (request ``i`` of it is wr_id ``batch.wr_id + i``).
+
+    ``batch`` None is the fence. A made-up span also carries the status of its first
+    request (the rest are flushes) and that request's vendor error.
+    """
+
+    __slots__ = ("batch", "end", "pos", "status", "vendor_err")
+
+    def __init__(
+        self, batch: WorkBatch | None, pos: int, end: int, status: WcStatus = WcStatus.SUCCESS, vendor_err: int = 0
+    ) -> None:
+        self.batch = batch
+        self.pos = pos
+        self.end = end
+        self.status = status
+        self.vendor_err = vendor_err
+
+    def opcode(self, wr_id: int) -> Opcode:
+        return Opcode.RDMA_WRITE if self.batch is None else _OPCODES[int(self.batch.opcode[wr_id - self.batch.wr_id])]
+
+    def length(self, wr_id: int) -> int:
+        return 0 if self.batch is None else int(self.batch.length[wr_id - self.batch.wr_id])
 
 
 class SendLedger:
     """Slot accounting and synthetic completions for one queue pair (event-loop thread only)."""
 
-    __slots__ = ("_fences", "_hw", "_synth", "closed", "dead", "depth", "errored", "qp_num")
+    __slots__ = ("_fences", "_hw", "_n_hw", "_n_synth", "_synth", "closed", "dead", "depth", "errored", "qp_num")
 
     def __init__(self, qp_num: int, depth: int) -> None:
         self.qp_num = qp_num
         self.depth = depth
-        self._hw: deque[_Posted] = deque()
-        self._synth: deque[WorkCompletion] = deque()
+        self._hw: deque[_Span] = deque()
+        self._synth: deque[_Span] = deque()
+        self._n_hw = 0
+        """Requests in ``_hw`` (fences excluded)."""
+        self._n_synth = 0
         self._fences = 0
         self.dead = False
         """The hardware's completions for this pair are ignored; every post is synthetic."""
@@ -63,12 +90,12 @@ class SendLedger:
     @property
     def outstanding(self) -> int:
         """Requests given to the hardware and not yet covered (fences excluded)."""
-        return len(self._hw) - self._fences
+        return self._n_hw
 
     @property
     def held(self) -> int:
         """Slots held: outstanding hardware requests plus synthetic completions not yet polled."""
-        return self.outstanding + len(self._synth)
+        return self._n_hw + self._n_synth
 
     @property
     def free(self) -> int:
@@ -83,15 +110,18 @@ class SendLedger:
     def synth_ready(self) -> bool:
         return bool(self._synth) and not self._hw
 
-    def posted(self, wrs: Iterable[WorkRequest]) -> None:
-        """Record requests the hardware accepted."""
-        self._hw.extend(_Posted(wr.wr_id, wr.opcode, wr.length) for wr in wrs)
+    def posted(self, batch: WorkBatch, stop: int | None = None) -> None:
+        """Record that the hardware accepted requests ``0:stop`` of ``batch`` (all when None)."""
+        n = len(batch) if stop is None else stop
+        if n > 0:
+            self._hw.append(_Span(batch, batch.wr_id, batch.wr_id + n))
+            self._n_hw += n
 
     def describe(self) -> str:
         """For error messages: what holds the slots."""
-        ids = [p.wr_id for p in self._hw]
-        shown = ids if len(ids) <= 8 else [*ids[:4], "...", *ids[-2:]]
-        return f"hardware {shown} ({self._fences} fences), {len(self._synth)} made-up, dead={self.dead}"
+        spans = [f"{s.pos}..{s.end - 1}" if s.batch is not None else "fence" for s in self._hw]
+        shown = spans if len(spans) <= 6 else [*spans[:3], "...", *spans[-2:]]
+        return f"hardware {shown} ({self._fences} fences), {self._n_synth} made-up, dead={self.dead}"
 
     def fence(self) -> None:
         """Record the backend's signaled fence, posted on a pair already in ERR.
@@ -100,64 +130,89 @@ class SendLedger:
         unsignaled request that succeeded before the error never completes on
         its own. The fence's flush completion covers it, so the wait ends.
         """
-        self._hw.append(_Posted(FENCE_WR_ID, Opcode.RDMA_WRITE, 0))
+        self._hw.append(_Span(None, FENCE_WR_ID, FENCE_WR_ID + 1))
         self._fences += 1
 
-    def refused(self, wrs: Iterable[WorkRequest], status: WcStatus, vendor_err: int = 0) -> None:
-        """Record requests the hardware never got: each completes with ``status``, then flushes."""
-        for wr in wrs:
-            self._synth.append(self._made_up(wr.wr_id, wr.opcode, status, vendor_err))
-            status = WcStatus.WR_FLUSH_ERR
+    def refused(self, batch: WorkBatch, status: WcStatus, start: int = 0, vendor_err: int = 0) -> None:
+        """Record that requests ``start:`` of ``batch`` never reached the hardware: the first
+        completes with ``status``, the rest flush."""
+        if start < len(batch):
+            self._add_synth(_Span(batch, batch.wr_id + start, batch.wr_id + len(batch)), status, vendor_err)
 
     def complete(self, wr_id: int, status: WcStatus, vendor_err: int, byte_len: int) -> WorkCompletion | None:
         """A hardware completion: the translated one, or None when it must be dropped."""
         if self.dead:
             return None
-        for posted in self._hw:
-            if posted.wr_id == wr_id:
+        hw = self._hw
+        index = 0
+        for span in hw:  # almost always the first: RC completes in posting order
+            if span.pos <= wr_id < span.end:
                 break
+            index += 1
         else:
             return None  # not ours (already synthesized): drop
-        while True:
-            head = self._hw.popleft()
-            if head.wr_id == FENCE_WR_ID:
-                self._fences -= 1
-            if head is posted:
-                break  # earlier ones were unsignaled and are done: RC completes in order
-        if wr_id == FENCE_WR_ID:
+        for _ in range(index):  # earlier spans were unsignaled and are done: RC completes in order
+            self._drop(hw.popleft())
+        if span.batch is None:
+            hw.popleft()
+            self._fences -= 1
             return None
+        self._n_hw -= wr_id + 1 - span.pos
+        if wr_id + 1 == span.end:
+            hw.popleft()
+        else:
+            span.pos = wr_id + 1
+        opcode = span.opcode(wr_id)
         if status is not WcStatus.SUCCESS:
             self.errored = True
             byte_len = 0
-        elif posted.opcode is Opcode.RDMA_WRITE or byte_len == 0:
-            byte_len = posted.length  # verbs leaves byte_len undefined for a WRITE's completion
-        return WorkCompletion(posted.wr_id, status, posted.opcode, byte_len, self.qp_num, vendor_err)
+        elif opcode is Opcode.RDMA_WRITE or byte_len == 0:
+            byte_len = span.length(wr_id)  # verbs leaves byte_len undefined for a WRITE's completion
+        return WorkCompletion(wr_id, status, opcode, byte_len, self.qp_num, vendor_err)
 
     def kill(self, status: WcStatus = WcStatus.FATAL_ERR) -> None:
         """Give up on the hardware: everything listed completes synthetically, before later posts."""
         if self.dead:
             return
         self.dead = True
-        made_up = []
-        for posted in self._hw:
-            if posted.wr_id == FENCE_WR_ID:
-                continue
-            made_up.append(self._made_up(posted.wr_id, posted.opcode, status, 0))
-            status = WcStatus.WR_FLUSH_ERR
+        made_up = [span for span in self._hw if span.batch is not None]
         self._hw.clear()
+        self._n_hw = 0
         self._fences = 0
-        self._synth.extendleft(reversed(made_up))
+        earlier, self._synth, self._n_synth = self._synth, deque(), 0
+        for span in made_up:
+            self._add_synth(span, status, 0)
+            status = WcStatus.WR_FLUSH_ERR
+        self._synth.extend(earlier)
+        self._n_synth += sum(s.end - s.pos for s in earlier)
 
     def take_synth(self, max_entries: int) -> list[WorkCompletion]:
         """Synthetic completions that may be delivered now (none while hardware ones are due)."""
         out: list[WorkCompletion] = []
-        while self._synth and not self._hw and len(out) < max_entries:
-            out.append(self._synth.popleft())
+        synth = self._synth
+        while synth and not self._hw and len(out) < max_entries:
+            span = synth[0]
+            stop = min(span.end, span.pos + max_entries - len(out))
+            for wr_id in range(span.pos, stop):
+                out.append(WorkCompletion(wr_id, span.status, span.opcode(wr_id), 0, self.qp_num, span.vendor_err))
+                span.status, span.vendor_err = WcStatus.WR_FLUSH_ERR, 0
+            self._n_synth -= stop - span.pos
+            span.pos = stop
+            if stop == span.end:
+                synth.popleft()
         return out
 
-    def _made_up(self, wr_id: int, opcode: Opcode, status: WcStatus, vendor_err: int) -> WorkCompletion:
+    def _add_synth(self, span: _Span, status: WcStatus, vendor_err: int) -> None:
         if self.errored and status is not WcStatus.WR_FLUSH_ERR:
             status = WcStatus.WR_FLUSH_ERR
         if status is not WcStatus.SUCCESS:
             self.errored = True
-        return WorkCompletion(wr_id, status, opcode, 0, self.qp_num, vendor_err)
+        span.status, span.vendor_err = status, vendor_err
+        self._synth.append(span)
+        self._n_synth += span.end - span.pos
+
+    def _drop(self, span: _Span) -> None:
+        if span.batch is None:
+            self._fences -= 1
+        else:
+            self._n_hw -= span.end - span.pos

@@ -13,7 +13,7 @@ from ._pyverbs import MrHandle, PdHandle
 from .facts import memlock_limit
 from .values import VerbsError
 
-__all__ = ["VerbsMemoryRegion", "covers", "deregister", "register"]
+__all__ = ["VerbsMemoryRegion", "deregister", "register"]
 
 
 @dataclass(eq=False, slots=True)
@@ -68,10 +68,3 @@ def deregister(region: MemoryRegion) -> None:
         handle.close()
     finally:
         region.pin = None
-
-
-def covers(region: VerbsMemoryRegion, addr: int, length: int, *, write: bool) -> bool:
-    """Whether a local SGE lies inside the live region and, for a READ's target, may be written."""
-    if region.handle is None or addr < region.addr or addr + length > region.addr + region.length:
-        return False
-    return not write or bool(region.access & Access.LOCAL_WRITE)

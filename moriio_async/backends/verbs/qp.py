@@ -1,4 +1,4 @@
-"""The verbs RC queue pair: endpoint exchange, INIT->RTR->RTS, posting with slot accounting."""
+"""The verbs RC queue pair: endpoint exchange, INIT->RTR->RTS, posting a chunk per call with slot accounting."""
 
 from __future__ import annotations
 
@@ -7,19 +7,24 @@ import ipaddress
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ...errors import InvalidArgument
 from ...status import Access, Opcode, WcStatus
-from ...work import WorkBatch, WorkRequest
+from ...work import WorkBatch
 from ..base import Endpoint, QpState, QueuePair, SendQueueFull
-from ._pyverbs import PdHandle, QpHandle
+from ._pyverbs import Context, PdHandle, QpHandle
+from .checks import first_bad_local
 from .cq import VerbsCompletionQueue
 from .facts import LINK_LAYER_ETHERNET, DeviceLimits, PortFacts
+from .faults import PairFaults, VerbsFaultSeam
 from .ledger import FENCE_WR_ID, SendLedger
-from .memory import VerbsMemoryRegion, covers
+from .memory import VerbsMemoryRegion
 from .values import PathParams, VerbsError
 
 __all__ = ["PortConfig", "VerbsQueuePair"]
@@ -33,6 +38,8 @@ _MAX_RD_ATOM = 16
 # retry_cnt is 3 bits, but rxe (and some providers) read 7 as "retry forever", like rnr_retry:
 # a dead peer would then never become RETRY_EXC_ERR, which the contract promises. 6 is the most.
 _MAX_RETRY_CNT = 6
+_WRITE, _READ = int(Opcode.RDMA_WRITE), int(Opcode.RDMA_READ)
+_MAX_SGE_BYTES = (1 << 32) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,7 @@ def _int_field(remote: Endpoint, name: str, low: int, high: int) -> int:
 class VerbsQueuePair(QueuePair):
     def __init__(
         self,
+        ctx: Context,
         pd: PdHandle,
         cq: VerbsCompletionQueue,
         config: PortConfig,
@@ -65,10 +73,21 @@ class VerbsQueuePair(QueuePair):
         *,
         depth: int,
         max_sge: int,
+        extended: bool = True,
+        faults: VerbsFaultSeam | None = None,
     ) -> None:
         access = int(Access.all())
         # One slot more than offered: room for the fence (see _fail_from).
-        self.handle = QpHandle(pd, cq.handle, depth=depth + 1, max_sge=max_sge, port=config.port.port, access=access)
+        self.handle = QpHandle(
+            ctx,
+            pd,
+            cq.handle,
+            depth=depth + 1,
+            max_sge=max_sge,
+            port=config.port.port,
+            access=access,
+            extended=extended,
+        )
         self._regions = regions
         self.cq = cq
         self.config = config
@@ -80,6 +99,14 @@ class VerbsQueuePair(QueuePair):
         self.lock = threading.Lock()
         """Held by ``close`` and by the event watcher, so no thread touches a destroyed pair."""
         self.closed = False
+        self.faults: PairFaults | None = None
+        """A fault plan's hold on this pair (tests and ``moriio-async faults`` only)."""
+        if faults is not None:
+            self.faults = PairFaults(
+                faults, self.qp_num, post=self._post_now, fail=self._fail_from,
+                outstanding=lambda: self.ledger.outstanding, dead=lambda: self.ledger.dead, wake=cq.wake,
+            )  # fmt: skip
+            cq.fault_hooks[self.qp_num] = self.faults.due
         self._psn = secrets.randbits(24)
         self._rd_atom = max(1, min(config.limits.max_qp_rd_atom, _MAX_RD_ATOM))
 
@@ -141,61 +168,73 @@ class VerbsQueuePair(QueuePair):
         log.debug("QP %d connected to QP %d (gid %s, mtu enum %d)", self.qp_num, qpn, gid, params.path_mtu)
 
     def post(self, batch: WorkBatch) -> None:
-        # Transitional: the per-request path below, until this backend posts batches natively.
-        self.post_send(batch.requests())
-
-    def post_send(self, wrs: Sequence[WorkRequest]) -> None:
-        if not wrs:
+        n = len(batch)
+        if not n:
             return
-        for wr in wrs:
-            if not wr.sges or len(wr.sges) > self.max_sge:
-                raise InvalidArgument(f"work request {wr.wr_id} has {len(wr.sges)} SGEs (1..{self.max_sge})")
-            if not isinstance(wr.opcode, Opcode):
-                raise InvalidArgument(f"work request {wr.wr_id} has opcode {wr.opcode!r}")
+        counts = np.diff(batch.sge_start)
+        bad_shape = (counts < 1) | (counts > self.max_sge) | ((batch.opcode != _WRITE) & (batch.opcode != _READ))
+        if bad_shape.any() or (len(batch.sge_length) and int(batch.sge_length.max()) > _MAX_SGE_BYTES):
+            raise InvalidArgument(self._shape_error(batch, counts))
         ledger = self.ledger
-        if len(wrs) > ledger.free:
+        free = ledger.free - (0 if self.faults is None else self.faults.waiting)
+        if n > free:
             raise SendQueueFull(
-                f"QP {self.qp_num}: {len(wrs)} requests, {ledger.free} of {ledger.depth} slots free "
-                f"({ledger.describe()})"
+                f"QP {self.qp_num}: {n} requests, {free} of {ledger.depth} slots free ({ledger.describe()})"
             )
+        if self.faults is not None:
+            self.faults.submit(batch)  # it posts through _post_now what the plan lets through
+        else:
+            self._post_now(batch)
+
+    def _post_now(self, batch: WorkBatch) -> None:
+        n, ledger = len(batch), self.ledger
         if ledger.must_synthesize or self.closed:
-            ledger.refused(wrs, WcStatus.WR_FLUSH_ERR)
+            ledger.refused(batch, WcStatus.WR_FLUSH_ERR)
             self.cq.wake()
             return
         # Local SGEs are checked here, not by the device: rxe reports a bad lkey on a WRITE as
         # LOC_QP_OP_ERR and moves the packets before a bad one, so a request that would fail
         # locally never reaches the wire and fails LOC_PROT_ERR, in order, with nothing moved.
-        bad = next((i for i, wr in enumerate(wrs) if not self._local_ok(wr)), None)
-        good = wrs if bad is None else wrs[:bad]
-        taken, error = self.handle.post(good) if good else (0, None)
-        ledger.posted(good[:taken])
+        bad = first_bad_local(batch, self._regions)
+        good = n if bad is None else bad
+        taken, error = self.handle.post(batch, good) if good else (0, None)
+        ledger.posted(batch, taken)
         if error is None and bad is None:
             return
         if error is not None:
             in_error = self._hw_state() in (QPS_ERR, QPS_SQE, None)
             status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
-            log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qp_num, taken, len(wrs), error,
+            log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qp_num, taken, n, error,
                         status.name)  # fmt: skip
         else:
-            taken, status = len(good), WcStatus.LOC_PROT_ERR
-        self._fail_from(wrs[taken:], status)
+            taken, status = good, WcStatus.LOC_PROT_ERR
+        self._fail_from([(batch, taken)], status)
 
-    def _local_ok(self, wr: WorkRequest) -> bool:
-        write_local = wr.opcode is Opcode.RDMA_READ
-        for sge in wr.sges:
-            region = self._regions(sge.lkey)
-            if region is None or not covers(region, sge.addr, sge.length, write=write_local):
-                return False
-        return True
+    def _shape_error(self, batch: WorkBatch, counts: npt.NDArray[np.int64]) -> str:
+        for i, k in enumerate(counts.tolist()):
+            wr_id = batch.wr_id + i
+            if not 1 <= k <= self.max_sge:
+                return f"work request {wr_id} has {k} SGEs (1..{self.max_sge})"
+            if int(batch.opcode[i]) not in (_WRITE, _READ):
+                return f"work request {wr_id} has opcode {int(batch.opcode[i])!r}"
+            a = int(batch.sge_start[i])
+            if int(batch.sge_length[a : a + k].max()) > _MAX_SGE_BYTES:
+                return (
+                    f"work request {wr_id} has a scatter entry over {_MAX_SGE_BYTES} bytes (ibv_sge.length is 32-bit)"
+                )
+        raise AssertionError("no bad request found")  # pragma: no cover
 
-    def _fail_from(self, rest: Sequence[WorkRequest], status: WcStatus) -> None:
-        """``rest`` never reached the device: the first ends with ``status``, the others flush.
+    def _fail_from(self, parts: list[tuple[WorkBatch, int]], status: WcStatus) -> None:
+        """Requests ``start:`` of each ``(batch, start)`` never reached the device: the first ends
+        with ``status``, the others flush.
 
         The pair is moved to ERR (the contract: after an error every request flushes) and a
         fence is posted, whose flush completion covers earlier unsignaled requests, so the
         made-up completions are delivered right after the hardware's own, in order.
         """
-        self.ledger.refused(rest, status)
+        for batch, start in parts:
+            self.ledger.refused(batch, status, start)
+            status = WcStatus.WR_FLUSH_ERR
         failure: VerbsError | None = None
         with self.lock:
             if not self.closed:
@@ -212,6 +251,8 @@ class VerbsQueuePair(QueuePair):
         self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
 
     def to_error(self) -> None:
+        if self.faults is not None:
+            self.faults.abort()  # requests a fault plan still holds flush after the device's (at the next poll)
         with self.lock:
             if self.closed:
                 return
@@ -223,6 +264,9 @@ class VerbsQueuePair(QueuePair):
         self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
 
     def close(self) -> None:
+        if self.faults is not None and not self.closed:
+            self.faults.fail_all()
+            self.faults.close()
         with self.lock:
             if self.closed:
                 return
