@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from moriio_async.backends.faults import Action, FaultPlan, FaultRule
 
 from moriio_async import InvalidArgument, WcStatus
 from moriio_async.backends.verbs.faults import PairFaults, VerbsFaultSeam
+from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.status import Opcode
 from moriio_async.work import Sge, WorkBatch, WorkRequest
 

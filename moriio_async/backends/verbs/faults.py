@@ -24,7 +24,7 @@ the initiator's queue pairs, as the initiator would observe it:
 ``kill``
     Refused: no seam of this backend runs in the target process.
 
-Pairs and requests are counted as in ``backends/faults.py``: pairs in the order
+Pairs and requests are counted as in ``core/faultplan.py``: pairs in the order
 of their first post, requests per pair in posting order. Set it with
 ``backend_extra={"fault_plan": plan}`` (a ``FaultPlan``, its dict, or its JSON)
 on the initiator's engine. Everything runs on the event-loop thread, except a
@@ -40,10 +40,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...core.faultplan import Action, Applied, FaultPlan, FaultRule
 from ...errors import InvalidArgument
 from ...status import WcStatus
 from ...work import WorkBatch
-from ..faults import Action, Applied, FaultPlan, FaultRule
 
 __all__ = ["PairFaults", "VerbsFaultSeam"]
 
