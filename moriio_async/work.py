@@ -29,6 +29,10 @@ U8 = npt.NDArray[np.uint8]
 Bools = npt.NDArray[np.bool_]
 
 
+_ONE_SGE = np.array((0, 1), dtype=np.int64)
+_ONE_SGE.flags.writeable = False
+
+
 @dataclass(frozen=True, slots=True)
 class Sge:
     """One scatter/gather entry: ``length`` bytes at ``addr`` of the local region ``lkey``."""
@@ -136,6 +140,22 @@ class WorkBatch:
         """Pack ``WorkRequest`` values (wr_ids must be consecutive) into a batch."""
         if not wrs:
             return cls.empty()
+        if len(wrs) == 1 and len(wrs[0].sges) == 1:
+            # One request, one entry (the single read or write): no generality to pay for.
+            wr, sge = wrs[0], wrs[0].sges[0]
+            v = np.array((wr.remote_addr, sge.length, sge.addr), dtype=np.uint64)
+            return cls(
+                wr.wr_id,
+                np.array((int(wr.opcode),), dtype=np.uint8),
+                v[0:1],
+                np.array((wr.rkey,), dtype=np.uint32),
+                v[1:2],
+                np.array((wr.signaled,), dtype=np.bool_),
+                _ONE_SGE,
+                v[2:3],
+                v[1:2],
+                np.array((sge.lkey,), dtype=np.uint32),
+            )
         first = wrs[0].wr_id
         for i, wr in enumerate(wrs):
             if wr.wr_id != first + i:

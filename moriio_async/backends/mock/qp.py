@@ -13,15 +13,14 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from ...errors import InvalidArgument, PeerError
 from ...status import Access, Opcode, WcStatus
-from ...work import WorkBatch, WorkCompletion, WorkRequest
+from ...work import WorkBatch, WorkCompletion
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
-from ..packing import pack
 from ..softcq import SoftCompletionQueue
 from .fabric import MockFabric
 from .memory import MemoryTable, copy
@@ -138,10 +137,6 @@ class MockQueuePair(QueuePair):
         self._held_n += n
         if not self.hold or self._state == QpState.ERR:
             self.step(self._held_n)
-
-    def post_send(self, wrs: Sequence[WorkRequest]) -> None:
-        """``post`` of the packed requests (one request packs without ``from_requests``' generality)."""
-        self.post(pack(wrs))
 
     def to_error(self) -> None:
         self._state = QpState.ERR

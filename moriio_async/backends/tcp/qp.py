@@ -13,15 +13,14 @@ import logging
 import secrets
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from ...errors import InvalidArgument
 from ...status import Opcode, WcStatus
-from ...work import WorkBatch, WorkRequest
+from ...work import WorkBatch
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
-from ..packing import pack
 from ..softcq import SoftCompletionQueue
 from .hooks import Hooks
 from .listener import Listener, dial
@@ -161,10 +160,6 @@ class TcpQueuePair(QueuePair):
                 st.tx_lock.release()
             if st.pending or st.tx_pending is not None:
                 st.send_cv.notify()
-
-    def post_send(self, wrs: Sequence[WorkRequest]) -> None:
-        """``post`` of the packed requests (one request packs without ``from_requests``' generality)."""
-        self.post(pack(wrs))
 
     def to_error(self) -> None:
         st = self.pair_state
