@@ -188,7 +188,9 @@ class ControlLink:
         self._replies[rid] = fut
         op = type(request).__struct_config__.tag
         try:
-            await self.send(with_id(request, rid))
+            # Not drained: the reply's deadline covers a transport that never takes it, and a connection
+            # the peer refused and closed is reported by the reader, with the peer's reason, not as a reset.
+            self._write(with_id(request, rid))
             try:
                 reply = await asyncio.wait_for(fut, self.timeout)
             except TimeoutError:
