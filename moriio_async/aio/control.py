@@ -109,6 +109,7 @@ class ControlLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._read_task: asyncio.Task[None] | None = None
         self._in_notice = False
+        self._settling: asyncio.Task[None] | None = None
         self.closed = False
         self.last_activity = asyncio.get_running_loop().time()
         """Loop time of the last message read or written (for the idle timeout)."""
@@ -278,7 +279,16 @@ class ControlLink:
             return
         self.closed = True
         self._fail_waiting(ControlPlaneError(f"control link to {self.peer_address} closed"))
-        self._writer.close()
+        transport = self._writer.transport
+        if transport.get_write_buffer_size() > 0:
+            # A peer that does not read would keep this socket (and its fd) open until it did, outside
+            # every link limit: what it has not taken is dropped.
+            transport.abort()
+        else:
+            self._writer.close()
+        # Settled in a task of its own: the connection's close future may hold an error (a reset)
+        # that must be retrieved, or asyncio reports it when the link is collected.
+        self._settling = asyncio.get_running_loop().create_task(self._settle())
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
@@ -287,10 +297,14 @@ class ControlLink:
             self._read_task.cancel()
         self._handler.on_link_closed(self)
 
-    async def wait_closed(self) -> None:
+    async def _settle(self) -> None:
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
-        tasks = [t for t in (self._read_task, *self._tasks) if t is not None and t is not asyncio.current_task()]
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection is closed and the link's tasks have ended (after ``close``)."""
+        candidates = (self._settling, self._read_task, *self._tasks)
+        tasks = [t for t in candidates if t is not None and t is not asyncio.current_task()]
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
