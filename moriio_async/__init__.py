@@ -17,6 +17,7 @@ from .aio.wait import waiting_for_transfer_complete
 from .descriptors import EngineDesc, MemoryDesc
 from .engine import IOEngine, IOEngineConfig, Notification, PeerInfo, Session
 from .errors import (
+    AuthenticationError,
     BackendUnavailable,
     ControlPlaneError,
     EngineClosed,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Access",
+    "AuthenticationError",
     "BackendUnavailable",
     "ControlPlaneError",
     "EngineClosed",

@@ -7,15 +7,36 @@ style); ``unpack()`` checks every field, since the bytes came from elsewhere.
 from __future__ import annotations
 
 import json
+import secrets
+import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import InvalidArgument
 from .status import Access
 
-__all__ = ["EngineDesc", "MemoryDesc"]
+__all__ = ["EngineDesc", "MemoryDesc", "new_incarnation"]
 
 _U64 = (1 << 64) - 1
+_RANDOM_BITS = 10
+_last_incarnation = 0
+_incarnation_lock = threading.Lock()
+
+
+def new_incarnation() -> int:
+    """A fresh engine incarnation, ordered by start time: later starts get larger numbers.
+
+    Microseconds since the epoch shifted left by 10 random bits (below 2**63
+    until the year 2255), and strictly increasing within a process. Peers
+    compare incarnations: a hello from an older incarnation of a known engine
+    is refused, a newer one supersedes it.
+    """
+    global _last_incarnation
+    value = (time.time_ns() // 1000) << _RANDOM_BITS | secrets.randbits(_RANDOM_BITS)
+    with _incarnation_lock:
+        value = _last_incarnation = max(value, _last_incarnation + 1)
+    return value & ((1 << 63) - 1)
 
 
 def _field(data: dict[str, Any], name: str, kind: type) -> Any:

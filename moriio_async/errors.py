@@ -11,6 +11,7 @@ from typing import Any
 from .status import StatusCode, WcStatus
 
 __all__ = [
+    "AuthenticationError",
     "BackendUnavailable",
     "ControlPlaneError",
     "EngineClosed",
@@ -67,6 +68,10 @@ class ControlPlaneError(MoriioError):
 
 class PeerError(ControlPlaneError):
     """The peer answered a control request with an error."""
+
+
+class AuthenticationError(ControlPlaneError):
+    """The hello failed: a proof of the shared secret did not verify, or only one side has a secret."""
 
 
 class StalePeer(ControlPlaneError):

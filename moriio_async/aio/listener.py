@@ -8,22 +8,33 @@ the listening sockets are watched with ``loop.add_reader`` and accepted in the
 callback, so nothing sits in a future between accept and its owner: each
 socket is handed to a short task that wraps it in streams (no server to
 attach to), and ``close`` waits for those tasks instead of cancelling them.
-It is also the one place where accepting can be paused or capped.
+It is also the one place where accepting can be paused or capped: ``admit``
+is asked about every connection before anything is allocated for it, and a
+refused one gets one ``error`` frame (reason ``busy``) and is closed at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import ipaddress
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["Listener"]
+from ..core.protocol import Refused, encode
+
+__all__ = ["Admit", "Listener"]
 
 log = logging.getLogger("moriio_async")
 
 OnConnection = Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]
+Admit = Callable[[str, int, int], str | None]
+"""``admit(host, pending from host, pending in all)``: None to accept, else why not (sent to the client).
+
+The pending counts are connections accepted and not yet handed to ``on_connection``."""
 
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _RETRY_AFTER = 1.0
@@ -33,8 +44,10 @@ _RETRY_AFTER = 1.0
 class Listener:
     """Listens on ``host:port`` and hands every connection, as streams, to ``on_connection``."""
 
-    def __init__(self, on_connection: OnConnection, *, backlog: int = 128) -> None:
+    def __init__(self, on_connection: OnConnection, *, admit: Admit | None = None, backlog: int = 128) -> None:
         self._on_connection = on_connection
+        self._admit = admit
+        self._pending: Counter[str] = Counter()
         self._backlog = backlog
         self._sockets: list[socket.socket] = []
         self._wrapping: set[asyncio.Task[None]] = set()
@@ -70,6 +83,12 @@ class Listener:
     def port(self) -> int:
         return int(self._sockets[0].getsockname()[1]) if self._sockets else 0
 
+    @property
+    def loopback_only(self) -> bool:
+        """Every listening address is a loopback one (nothing beyond this host can connect)."""
+        hosts = [str(sock.getsockname()[0]).split("%")[0] for sock in self._sockets]
+        return bool(hosts) and all(ipaddress.ip_address(h).is_loopback for h in hosts)
+
     def _watch(self) -> None:
         assert self._loop is not None
         self._retry = None
@@ -97,11 +116,21 @@ class Listener:
                 self._retry = self._loop.call_later(_RETRY_AFTER, self._watch)
                 return
             conn.setblocking(False)
-            task = self._loop.create_task(self._wrap(conn))
+            try:
+                host = str(conn.getpeername()[0])
+            except OSError:  # the client left at once
+                conn.close()
+                continue
+            refusal = self._admit(host, self._pending[host], self._pending.total()) if self._admit else None
+            if refusal is not None:
+                _refuse(conn, refusal)
+                continue
+            self._pending[host] += 1
+            task = self._loop.create_task(self._wrap(conn, host))
             self._wrapping.add(task)
             task.add_done_callback(self._wrapping.discard)
 
-    async def _wrap(self, conn: socket.socket) -> None:
+    async def _wrap(self, conn: socket.socket, host: str) -> None:
         try:
             reader, writer = await asyncio.open_connection(sock=conn)
         except OSError as exc:  # the client left at once
@@ -111,6 +140,10 @@ class Listener:
         except BaseException:
             conn.close()
             raise
+        finally:
+            self._pending[host] -= 1
+            if self._pending[host] <= 0:
+                del self._pending[host]
         if self.closed:
             writer.close()  # accepted while the listener closed: the connection is refused, not leaked
             return
@@ -135,3 +168,16 @@ class Listener:
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()
+
+
+def _refuse(conn: socket.socket, why: str) -> None:
+    """Tell a refused client why (best effort: one small frame into an empty send buffer) and close.
+
+    What the client already sent is read first: closing a socket with unread data
+    sends a reset, which may destroy the explanation before the client reads it.
+    """
+    with contextlib.suppress(OSError):
+        conn.recv(1 << 16)
+    with contextlib.suppress(OSError):
+        conn.send(encode(Refused(reason="busy", message=why)))
+    conn.close()

@@ -4,12 +4,19 @@ Each message is a frozen ``msgspec`` Struct tagged by its ``op`` field, so
 decoding a frame checks every field's type and range in one pass, with no
 ``dict`` in between. Three kinds:
 
-- requests (``hello``, ``connect_qp``, ``memory``) carry an ``id`` and get
-  exactly one reply;
-- replies (``welcome``, ``qp``, ``exports``, ``error``) carry the request's
-  id as ``re``; an ``error`` without ``re`` answers a bad frame, and the
-  link is closed after it;
+- requests (``hello``, ``proof``, ``connect_qp``, ``memory``) carry an ``id``
+  and get exactly one reply;
+- replies (``challenge``, ``welcome``, ``qp``, ``exports``, ``error``) carry
+  the request's id as ``re``; an ``error`` without ``re`` answers a bad frame
+  (or a connection refused at accept), and the link is closed after it;
 - notices (``close_qp``, ``notify``) carry neither and get no answer.
+
+The hello, with a shared secret (``core.auth``): the dialer's ``hello``
+says ``auth`` and carries its nonce; the listener answers ``challenge`` (its
+engine, its nonce and its proof, and no memory); the dialer checks that proof
+and sends ``proof``; only then does the listener answer ``welcome`` with the
+memory it exports. Without a secret, ``hello`` is answered by ``welcome``.
+A side with a secret refuses a side without one (``error``, reason ``auth``).
 
 A frame that is not one of these messages (bad JSON, a wrong type, an
 unknown op, a value out of range, nesting deeper than the decoder allows) is
@@ -30,6 +37,7 @@ from .framing import DEFAULT_MAX_FRAME, FrameError, frame
 
 __all__ = [
     "MAX_KEY",
+    "Challenge",
     "CloseQp",
     "ConnectQp",
     "EngineRecord",
@@ -39,6 +47,7 @@ __all__ = [
     "Message",
     "Notice",
     "Notify",
+    "Proof",
     "QpReady",
     "Refused",
     "RegionRecord",
@@ -62,6 +71,8 @@ Short = Annotated[str, msgspec.Meta(max_length=255)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 U16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+Digest = Annotated[bytes, msgspec.Meta(max_length=64)]
+"""A nonce or an HMAC (base64 on the wire); ``core.auth`` checks the exact length."""
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 """At most ``_U64_MAX``: checked in ``__post_init__``, since msgspec bounds integers only within int64."""
 _U64_MAX = (1 << 64) - 1
@@ -141,10 +152,21 @@ Regions = Annotated[list[RegionRecord], msgspec.Meta(max_length=MAX_REGIONS)]
 
 
 class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
-    """The first frame on every link, from the side that dialed: who it is."""
+    """The first frame on every link, from the side that dialed: who it is, and whether it authenticates."""
 
     id: int = 0
     engine: EngineRecord
+    auth: bool = False
+    """The dialer holds a shared secret: it expects a ``challenge`` and will send a ``proof``."""
+    nonce: Digest = b""
+    """The dialer's fresh nonce (with ``auth``)."""
+
+
+class Proof(_Message, frozen=True, kw_only=True, tag="proof"):
+    """The dialer's proof of the shared secret, once it checked the listener's ``challenge``."""
+
+    id: int = 0
+    proof: Digest
 
 
 class ConnectQp(_Message, frozen=True, kw_only=True, tag="connect_qp"):
@@ -166,6 +188,15 @@ class ListMemory(_Message, frozen=True, kw_only=True, tag="memory"):
 
 
 # -- replies ---------------------------------------------------------------------------------------
+
+
+class Challenge(_Message, frozen=True, kw_only=True, tag="challenge"):
+    """The answer to an authenticating ``hello``: the listener, its nonce and its proof; no memory yet."""
+
+    re: int = 0
+    engine: EngineRecord
+    nonce: Digest
+    proof: Digest
 
 
 class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
@@ -194,7 +225,7 @@ class Refused(_Message, frozen=True, kw_only=True, tag="error"):
 
     re: int | None = None
     reason: Annotated[str, msgspec.Meta(max_length=32)]
-    """``handshake``, ``frame``, ``stale``, ``closed``, ``refused`` or ``internal``."""
+    """``handshake``, ``auth``, ``busy``, ``frame``, ``stale``, ``closed``, ``refused`` or ``internal``."""
     message: Text = ""
 
 
@@ -213,8 +244,8 @@ class Notify(_Message, frozen=True, kw_only=True, tag="notify"):
     data: bytes
 
 
-Request = Hello | ConnectQp | ListMemory
-Reply = Welcome | QpReady | Exports | Refused
+Request = Hello | Proof | ConnectQp | ListMemory
+Reply = Challenge | Welcome | QpReady | Exports | Refused
 Notice = CloseQp | Notify
 Message = Request | Reply | Notice
 

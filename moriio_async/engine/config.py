@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.base import BackendOptions
+from ..core.auth import load_secret
+from ..core.protocol import MAX_KEY
 from ..errors import InvalidArgument
 
 __all__ = ["IOEngineConfig"]
@@ -46,15 +48,62 @@ class IOEngineConfig:
     rnr_retry: int = 7
     backend_extra: Mapping[str, Any] = field(default_factory=dict)
 
+    # -- trust and bounds: what peers must prove, and what they can make this engine hold --------
+    secret: bytes | str | None = field(default=None, repr=False)
+    """Shared secret peers must prove in the hello (at least 16 bytes); None reads ``$MORIIO_ASYNC_SECRET``,
+    and ``""`` turns authentication off even when that variable is set. Never sent, never printed."""
+    max_links: int = 512
+    """Control links accepted at once, in all; a connection beyond it is refused at accept."""
+    max_links_per_address: int = 64
+    """Control links accepted at once from one remote address."""
+    link_idle_timeout: float = 120.0
+    """Seconds after which a link carrying nothing (no pair, no request under way) is closed; the next request
+    dials again. A dialing engine closes its own idle links at half this, before the listener would."""
+    max_key: int = MAX_KEY
+    """Longest engine key a peer may say hello with (the protocol's ceiling is 1024)."""
+    max_peers: int = 1024
+    """Peers remembered once none of their links is open (least recently used forgotten first)."""
+    max_notifications: int = 4096
+    """Notifications queued for ``recv_notification``; when full, links stop reading (backpressure: the
+    sender's ``notify`` fails after its ``control_timeout``)."""
+    max_notification_bytes: int = 64 << 20
+    """Bytes of notification data queued, with the same backpressure."""
+    max_answering_qps_per_link: int = 256
+    """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
+
     def __post_init__(self) -> None:
-        for name in ("transfer_timeout", "control_timeout", "retry_timeout", "abort_timeout"):
+        for name in ("transfer_timeout", "control_timeout", "retry_timeout", "abort_timeout", "link_idle_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be > 0")
-        for name in ("sq_depth", "max_sge", "max_wr_bytes", "max_frame"):
+        for name in (
+            "sq_depth",
+            "max_sge",
+            "max_wr_bytes",
+            "max_frame",
+            "max_links",
+            "max_links_per_address",
+            "max_key",
+            "max_peers",
+            "max_notifications",
+            "max_notification_bytes",
+            "max_answering_qps_per_link",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be >= 1")
         if not 0 <= self.port <= 0xFFFF:
             raise InvalidArgument("IOEngineConfig.port must be within 0..65535")
+        if self.max_key > MAX_KEY:
+            raise InvalidArgument(f"IOEngineConfig.max_key may not exceed the protocol's {MAX_KEY}")
+        if self.secret is not None and not isinstance(self.secret, bytes | str):
+            raise InvalidArgument(f"IOEngineConfig.secret must be bytes or str, not {type(self.secret).__name__}")
+        if self.secret:
+            load_secret(self.secret)  # too short: refused now, not at the first hello
+
+    def resolved_secret(self) -> bytes | None:
+        """The secret in force: ``secret``, else ``$MORIIO_ASYNC_SECRET``; None when authentication is off."""
+        if self.secret is not None and len(self.secret) == 0:
+            return None
+        return load_secret(self.secret)
 
     def backend_options(self) -> BackendOptions:
         return BackendOptions(

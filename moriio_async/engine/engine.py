@@ -5,8 +5,11 @@ It opens the backend and composes three collaborators, handing each down what
 it needs: a ``CompletionRouter`` (the completion path and transfer books), a
 ``PeerTable`` (peers, links and the control plane) and a ``MemoryRegistry``;
 sessions get the router and the peer table, never the engine. Every engine
-draws a fresh incarnation id; descriptors carry it, so a peer that restarted
-under the same key is never written through stale handles.
+draws a fresh incarnation id, ordered by start time; descriptors carry it, so
+a peer that restarted under the same key is never written through stale
+handles. With a shared secret (``IOEngineConfig.secret`` or
+``$MORIIO_ASYNC_SECRET``) every peer proves it in the hello; without one the
+engine says at start that it accepts anyone who can reach it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, final
 
@@ -23,12 +25,16 @@ from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
 from ..backends import open_backend
 from ..backends.base import Backend, CompletionQueue
+from ..core.auth import SECRET_ENV
 from ..core.protocol import MAX_KEY
-from ..descriptors import EngineDesc, MemoryDesc
+from ..descriptors import EngineDesc, MemoryDesc, new_incarnation
 from ..errors import EngineClosed, InvalidArgument, MemoryInUse
 from ..status import Access
 from .config import IOEngineConfig
+from .guard import Guard
+from .handshake import Handshake
 from .inbox import Inbox, Notification
+from .links import LinkLimits
 from .memory import LocalRegion, MemoryRegistry
 from .peers import PeerInfo, PeerTable
 from .session import Session
@@ -72,7 +78,12 @@ class IOEngine:
             raise InvalidArgument(f"engine key is {len(key)} characters; the control plane carries at most {MAX_KEY}")
         self.key = key
         self.config = config or IOEngineConfig()
-        self.incarnation = secrets.randbits(63)
+        if len(key) > self.config.max_key:
+            raise InvalidArgument(
+                f"engine key is {len(key)} characters; IOEngineConfig.max_key is {self.config.max_key}"
+            )
+        self._secret = self.config.resolved_secret()
+        self.incarnation = new_incarnation()
         self.closed = True
         self._started = False
         self._backend: Backend | None = None
@@ -81,7 +92,8 @@ class IOEngine:
         """The collaborators of the current (or last) run; kept after close for ``statistics``."""
         self._memory = MemoryRegistry(key, self.incarnation)
         self._sessions: set[Session] = set()
-        self._inbox = Inbox()
+        self._inbox = self._new_inbox()
+        self._guard = Guard()
         self._port = 0
         self.loop: asyncio.AbstractEventLoop
 
@@ -94,7 +106,7 @@ class IOEngine:
         self._started = True
         self.loop = asyncio.get_running_loop()
         if self._inbox.closed:
-            self._inbox = Inbox()
+            self._inbox = self._new_inbox()
         cfg = self.config
         # Opening a device can take a while (verbs); keep the loop free meanwhile.
         backend = self._backend = await self.loop.run_in_executor(
@@ -112,8 +124,17 @@ class IOEngine:
                 cq=cq,
                 memory=self._memory,
                 inbox=self._inbox,
-                max_frame=cfg.max_frame,
-                timeout=cfg.control_timeout,
+                limits=LinkLimits(
+                    max_frame=cfg.max_frame,
+                    timeout=cfg.control_timeout,
+                    max_links=cfg.max_links,
+                    max_links_per_address=cfg.max_links_per_address,
+                    idle_timeout=cfg.link_idle_timeout,
+                    max_answering_per_link=cfg.max_answering_qps_per_link,
+                ),
+                handshake=Handshake(self._secret, max_key=cfg.max_key),
+                guard=self._guard,
+                max_peers=cfg.max_peers,
             )
             self._running = _Running(backend, cq, router, peers)
             router.start()
@@ -126,7 +147,30 @@ class IOEngine:
             raise
         self.closed = False
         log.info("engine %s listening on %s (backend %s)", self.key, self.address, backend.name)
+        self._log_trust(peers)
         return self
+
+    def _log_trust(self, peers: PeerTable) -> None:
+        if self._secret is not None:
+            log.info("engine %s: peers must prove the shared secret in the hello", self.key)
+            return
+        log.info(
+            "engine %s accepts unauthenticated peers: set IOEngineConfig.secret or $%s on every engine to require "
+            "a shared secret",
+            self.key,
+            SECRET_ENV,
+        )
+        if not peers.loopback_only:
+            log.warning(
+                "engine %s listens on %s, reachable beyond this host, WITHOUT a shared secret: any process that can "
+                "connect may list, read and write its exported memory; set IOEngineConfig.secret or $%s",
+                self.key,
+                self.address,
+                SECRET_ENV,
+            )
+
+    def _new_inbox(self) -> Inbox:
+        return Inbox(self.config.max_notifications, self.config.max_notification_bytes)
 
     async def __aenter__(self) -> IOEngine:
         return await self.start()
@@ -287,10 +331,12 @@ class IOEngine:
             yield note
 
     def statistics(self) -> dict[str, Any]:
-        """A snapshot: identity, counts of sessions, regions, transfers, links and peers, the reader's figures."""
+        """A snapshot: identity, counts of sessions, regions, transfers, links and peers, the reader's figures,
+        and what peers did wrong (refused links and hellos, bad frames, access errors per peer)."""
         running = self._running
         router = running.router.statistics() if running is not None else None
         peers = running.peers.statistics() if running is not None else None
+        guard = self._guard.snapshot()
         return {
             "key": self.key,
             "incarnation": self.incarnation,
@@ -305,4 +351,14 @@ class IOEngine:
             "answering_qps": peers.answering_qps if peers is not None else 0,
             "opened_qps": peers.opened_qps if peers is not None else 0,
             "notifications": len(self._inbox),
+            "notification_bytes": self._inbox.bytes,
+            "authenticated": self._secret is not None,
+            "refused_links": guard.refused_links,
+            "idle_closed": guard.idle_closed,
+            "bad_frames": guard.bad_frames,
+            "rogue_hellos": guard.rogue_hellos,
+            "auth_failures": guard.auth_failures,
+            "impersonations": guard.impersonations,
+            "access_errors": guard.access_errors,
+            "suppressed_log_lines": self._guard.suppressed,
         }

@@ -1,4 +1,12 @@
-"""Notifications from peers, queued in arrival order until the application takes them."""
+"""Notifications from peers, queued in arrival order until the application takes them; bounded.
+
+The queue holds at most ``max_items`` notifications and ``max_bytes`` of
+their data. When it is full, ``put`` waits for room: the link reader that
+called it stops reading, so the peer's TCP window fills and its ``notify()``
+fails after its ``control_timeout`` (backpressure to the sender; nothing
+already accepted is dropped). Readers waiting for room get it in arrival
+order, one link after another.
+"""
 
 from __future__ import annotations
 
@@ -21,26 +29,56 @@ class Notification:
 
 
 class Inbox:
-    """A FIFO of notifications with any number of waiting readers, closed with its engine.
+    """A bounded FIFO of notifications with any number of waiting readers, closed with its engine.
 
     After ``close`` what is already queued can still be taken; then ``get``
     raises ``EngineClosed`` and iteration ends, for readers waiting at the
-    time of the close too.
+    time of the close too. A ``put`` waiting for room at the close drops its
+    notification.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_items: int = 4096, max_bytes: int = 64 << 20) -> None:
+        self.max_items = max_items
+        self.max_bytes = max_bytes
         self._items: deque[Notification] = deque()
+        self._bytes = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._putters: deque[asyncio.Future[None]] = deque()
         self.closed = False
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, note: Notification) -> None:
+    @property
+    def bytes(self) -> int:
+        """Bytes of notification data queued."""
+        return self._bytes
+
+    def _full(self, size: int) -> bool:
+        # An empty inbox takes any notification (the frame limit bounds its size).
+        return bool(self._items) and (len(self._items) >= self.max_items or self._bytes + size > self.max_bytes)
+
+    async def put(self, note: Notification) -> None:
+        """Queue ``note``, waiting while the inbox is full (the caller's link stops reading meanwhile)."""
+        while not self.closed and (self._putters or self._full(len(note.data))):
+            fut = asyncio.get_running_loop().create_future()
+            self._putters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._wake(self._putters)  # woken for room it will not use: pass it on
+                raise
+            finally:
+                if fut in self._putters:
+                    self._putters.remove(fut)
+            if not self._full(len(note.data)):
+                break
         if self.closed:
             return  # the engine closed while the frame was read: nobody can take it any more
         self._items.append(note)
-        self._wake_one()
+        self._bytes += len(note.data)
+        self._wake(self._waiters)
 
     async def get(self) -> Notification:
         while not self._items:
@@ -53,12 +91,15 @@ class Inbox:
             except asyncio.CancelledError:
                 # Taken no item, yet maybe woken for one: pass the wakeup on so it is not lost.
                 if fut.done() and not fut.cancelled():
-                    self._wake_one()
+                    self._wake(self._waiters)
                 raise
             finally:
                 if fut in self._waiters:
                     self._waiters.remove(fut)
-        return self._items.popleft()
+        note = self._items.popleft()
+        self._bytes -= len(note.data)
+        self._wake(self._putters)
+        return note
 
     async def __aiter__(self) -> AsyncIterator[Notification]:
         while True:
@@ -69,14 +110,16 @@ class Inbox:
 
     def close(self) -> None:
         self.closed = True
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
+        for queue in (self._waiters, self._putters):
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)
 
-    def _wake_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
+    @staticmethod
+    def _wake(queue: deque[asyncio.Future[None]]) -> None:
+        while queue:
+            fut = queue.popleft()
             if not fut.done():
                 fut.set_result(None)
                 return

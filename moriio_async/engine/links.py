@@ -1,22 +1,30 @@
-"""The engine's open control links, each with who said hello on it and the answering pairs asked for on it.
+"""The engine's open control links: who said hello on each, and what each carries; the per-link limits.
 
-A link belongs to the engine (key and incarnation) that said hello on it. An
-answering queue pair is kept with the link its ``connect_qp`` came over, so
-closing that link closes it, whichever of the peer's links it was. This is
-the place for per-link limits (links per address, pairs per link, idle time).
+A link belongs to the engine (key and incarnation) that said hello on it,
+and once that hello was authenticated, to the session key both sides derived
+from it. An answering queue pair is kept with the link its ``connect_qp``
+came over, so closing that link closes it, whichever of the peer's links it
+was. An opened pair (this engine's session towards the peer) is noted on the
+link it was asked for over, since the peer closes its answering half when
+that link closes.
+
+Limits kept here: accepted links in all and per remote address (``admit``),
+answering pairs per link (``reserve_answering``), and the idle time of a
+link that carries nothing (``idle``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..aio.control import ControlLink, LinkHandler
 from ..backends.base import QueuePair
 from ..descriptors import EngineDesc
 
-__all__ = ["LinkRegistry", "close_quietly", "same_engine"]
+__all__ = ["LinkLimits", "LinkRegistry", "close_quietly", "same_engine"]
 
 
 def same_engine(a: EngineDesc, b: EngineDesc) -> bool:
@@ -29,23 +37,45 @@ def close_quietly(qp: QueuePair) -> None:
         qp.close()
 
 
+@dataclass(frozen=True, slots=True)
+class LinkLimits:
+    """What one engine lets its peers hold (``IOEngineConfig`` documents each)."""
+
+    max_frame: int
+    timeout: float
+    max_links: int
+    max_links_per_address: int
+    idle_timeout: float
+    max_answering_per_link: int
+
+
 @dataclass(eq=False, slots=True)
 class _LinkState:
+    accepted: bool
     desc: EngineDesc | None = None
     """Who said hello on the link (None while the handshake runs)."""
+    session_key: bytes | None = None
+    """Derived from the authenticated hello (None without a secret)."""
     answering: set[int] = field(default_factory=set)
     """The answering pairs (by number) asked for over this link."""
+    connecting: int = 0
+    """Answering pairs being connected for this link right now (they count against the limit)."""
+    opened: set[int] = field(default_factory=set)
+    """This engine's own pairs whose answering half the peer keeps with this link."""
+    connect_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One answering connect at a time per link: a peer cannot hold more than one connect worker per link."""
 
 
 class LinkRegistry:
     """Every open control link of one engine, handshakes in progress included."""
 
-    def __init__(self, *, max_frame: int, timeout: float) -> None:
-        self._max_frame = max_frame
-        self._timeout = timeout
+    def __init__(self, limits: LinkLimits) -> None:
+        self.limits = limits
         self._links: dict[ControlLink, _LinkState] = {}
         self._answering: dict[int, tuple[ControlLink, EngineDesc, QueuePair]] = {}
         """Every answering pair not closed yet: the link it was asked for on, the engine that asked."""
+        self._accepted: Counter[str] = Counter()
+        """Accepted links per remote address."""
 
     def __len__(self) -> int:
         return len(self._links)
@@ -55,28 +85,83 @@ class LinkRegistry:
         """Answering queue pairs open for peers, over all links."""
         return len(self._answering)
 
-    def open(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: LinkHandler) -> ControlLink:
+    # -- admission ---------------------------------------------------------------------------------
+
+    def admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
+        """Why a new connection from ``host`` is refused (the link caps), or None to accept it."""
+        limits = self.limits
+        if self._accepted.total() + pending >= limits.max_links:
+            return f"this engine holds its maximum of {limits.max_links} accepted control links (max_links)"
+        if self._accepted[host] + pending_from_host >= limits.max_links_per_address:
+            return (
+                f"this engine holds its maximum of {limits.max_links_per_address} control links from {host} "
+                "(max_links_per_address)"
+            )
+        return None
+
+    def open(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: LinkHandler, *, accepted: bool
+    ) -> ControlLink:
         """A new link over a fresh connection; it stays here until it closes (``handler.on_link_closed``)."""
-        link = ControlLink(reader, writer, handler, max_frame=self._max_frame, timeout=self._timeout)
-        self._links[link] = _LinkState()
+        link = ControlLink(reader, writer, handler, max_frame=self.limits.max_frame, timeout=self.limits.timeout)
+        self._links[link] = _LinkState(accepted)
+        if accepted:
+            self._accepted[link.peer_host] += 1
         return link
 
-    def bind(self, link: ControlLink, desc: EngineDesc) -> bool:
-        """``desc`` said hello on ``link``; False if the link closed meanwhile."""
+    def bind(self, link: ControlLink, desc: EngineDesc, session_key: bytes | None) -> bool:
+        """``desc`` said hello on ``link`` (and proved it, with a session key); False if the link closed meanwhile."""
         state = self._links.get(link)
-        if state is None:
+        if state is None or link.closed:
             return False
         state.desc = desc
+        state.session_key = session_key
         return True
+
+    # -- who is on which link ----------------------------------------------------------------------
 
     def engine_of(self, link: ControlLink) -> EngineDesc | None:
         """Who said hello on ``link`` (None before the hello, or once it closed)."""
         state = self._links.get(link)
         return state.desc if state is not None else None
 
+    def session_key_of(self, link: ControlLink) -> bytes | None:
+        """The key of ``link``'s authenticated hello (data-plane tokens derive from it); None without one."""
+        state = self._links.get(link)
+        return state.session_key if state is not None else None
+
     def another(self, desc: EngineDesc) -> ControlLink | None:
         """An open link ``desc``'s engine said hello on, if any."""
         return next((link for link, s in self._links.items() if s.desc and same_engine(s.desc, desc)), None)
+
+    def keys_with_links(self) -> set[str]:
+        """Engine keys with at least one open link."""
+        return {s.desc.key for s in self._links.values() if s.desc is not None}
+
+    def close_superseded(self, desc: EngineDesc) -> None:
+        """``desc`` superseded an earlier incarnation of its engine: close that one's links (and so its pairs)."""
+        for link, state in list(self._links.items()):
+            if state.desc is not None and state.desc.key == desc.key and state.desc.incarnation != desc.incarnation:
+                link.close()
+
+    # -- answering and opened pairs ----------------------------------------------------------------
+
+    def connect_lock(self, link: ControlLink) -> asyncio.Lock | None:
+        state = self._links.get(link)
+        return state.connect_lock if state is not None else None
+
+    def reserve_answering(self, link: ControlLink) -> bool:
+        """Count one more answering pair on ``link`` before connecting it; False at the per-link limit."""
+        state = self._links.get(link)
+        if state is None or len(state.answering) + state.connecting >= self.limits.max_answering_per_link:
+            return False
+        state.connecting += 1
+        return True
+
+    def unreserve_answering(self, link: ControlLink) -> None:
+        state = self._links.get(link)
+        if state is not None:
+            state.connecting -= 1
 
     def keep_answering(self, link: ControlLink, qp: QueuePair) -> bool:
         """Keep ``qp`` with ``link``; False (and ``qp`` is the caller's) if the link closed meanwhile."""
@@ -108,11 +193,42 @@ class LinkRegistry:
             state.answering.discard(qp_num)
         close_quietly(qp)
 
+    def note_opened(self, link: ControlLink, qp_num: int) -> None:
+        state = self._links.get(link)
+        if state is not None:
+            state.opened.add(qp_num)
+
+    def drop_opened(self, qp_num: int) -> None:
+        for state in self._links.values():
+            state.opened.discard(qp_num)
+
+    # -- idle links and closing --------------------------------------------------------------------
+
+    def idle(self, now: float) -> list[ControlLink]:
+        """Links past their idle time: hello said, no pair either way, nothing under way.
+
+        A link this engine dialed goes idle at half the timeout, so with equal
+        settings the dialer closes first: a listener's idle close then never
+        races a message the dialer is sending.
+        """
+        timeout = self.limits.idle_timeout
+        return [
+            link
+            for link, s in self._links.items()
+            if s.desc is not None
+            and not (s.answering or s.opened or s.connecting or link.busy)
+            and now - link.last_activity >= (timeout if s.accepted else timeout / 2)
+        ]
+
     def forget(self, link: ControlLink) -> EngineDesc | None:
         """``link`` closed: drop it and close its answering pairs; who had said hello on it."""
         state = self._links.pop(link, None)
         if state is None:
             return None
+        if state.accepted:
+            self._accepted[link.peer_host] -= 1
+            if self._accepted[link.peer_host] <= 0:
+                del self._accepted[link.peer_host]
         for qp_num in state.answering:
             _, _, qp = self._answering.pop(qp_num)
             close_quietly(qp)  # opened for the peer's sessions over this link; nobody asks for them now

@@ -1,31 +1,39 @@
-"""Peers and the control plane of one engine: the listener, the handshake and the handlers.
+"""Peers and the control plane of one engine: the listener, the hello, and what peers ask.
 
 A peer is an engine known by key at one incarnation (from a hello, a
 ``connect`` or ``register_remote_engine``). A peer may have several links
 (both sides dial, or it reconnects; see ``links``); one of them, its current
-link, carries this engine's own requests and notices. A newer incarnation of
-a peer replaces it and closes the answering pairs of the earlier one.
+link, carries this engine's own requests and notices. With a shared secret a
+key is bound only to links that proved it (``handshake``), so no one without
+the secret can take a peer's place, its notifications or its pairs.
+
+Incarnations are ordered (``descriptors.new_incarnation``): a hello from a
+newer incarnation of a known peer supersedes it (its earlier links and
+answering pairs are closed), an older one is refused. Peers whose links all
+closed are remembered up to ``max_peers``, least recently used dropped first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..aio.control import ControlLink
 from ..aio.listener import Listener
-from ..backends.base import Backend, CompletionQueue, Endpoint, QueuePair
+from ..backends.base import Backend, CompletionQueue, QueuePair
+from ..core.framing import FrameError
 from ..core.protocol import (
     CloseQp,
-    ConnectQp,
     EngineRecord,
     Exports,
     Hello,
     ListMemory,
     Notice,
     Notify,
-    QpReady,
+    Proof,
     RegionRecord,
     Reply,
     Request,
@@ -33,9 +41,12 @@ from ..core.protocol import (
 )
 from ..descriptors import EngineDesc, MemoryDesc
 from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, StalePeer
+from .guard import Guard
+from .handshake import Handshake, HelloRefused
 from .inbox import Inbox, Notification
-from .links import LinkRegistry, close_quietly
+from .links import LinkLimits, LinkRegistry
 from .memory import MemoryRegistry
+from .pairs import PairBroker
 
 __all__ = ["PeerInfo", "PeerStatistics", "PeerTable"]
 
@@ -69,15 +80,6 @@ class _Peer:
     """The link this engine sends its requests and notices on."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Opened:
-    qp: QueuePair
-    key: str
-    incarnation: int
-    remote_qp: int
-    """The peer's answering pair, as ``close_qp`` names it."""
-
-
 class PeerTable:
     """Peers, their links and the control-plane protocol; a ``LinkHandler`` for every link."""
 
@@ -90,30 +92,41 @@ class PeerTable:
         cq: CompletionQueue,
         memory: MemoryRegistry,
         inbox: Inbox,
-        max_frame: int,
-        timeout: float,
+        limits: LinkLimits,
+        handshake: Handshake,
+        guard: Guard,
+        max_peers: int,
     ) -> None:
         self.key = key
         self.incarnation = incarnation
         self._backend = backend
-        self._cq = cq
         self._memory = memory
         self._inbox = inbox
-        self._peers: dict[str, _Peer] = {}
-        self._links = LinkRegistry(max_frame=max_frame, timeout=timeout)
-        self._opened: dict[int, _Opened] = {}
-        self._listener = Listener(self._on_accept)
+        self._handshake = handshake
+        self._guard = guard
+        self._max_peers = max_peers
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+        self._links = LinkRegistry(limits)
+        self._pairs = PairBroker(key, incarnation, backend=backend, cq=cq, links=self._links)
+        self._listener = Listener(self._on_accept, admit=self._admit)
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
         self._local: EngineDesc | None = None
         self._closing = False
 
     # -- life cycle ------------------------------------------------------------------------------
 
     async def listen(self, host: str, port: int) -> EngineDesc:
-        """Start the control-plane listener; this engine's descriptor, with the port it got."""
+        """Start the control-plane listener and the idle sweep; this engine's descriptor, with its port."""
         bound = await self._listener.start(host, port)
         self._local = EngineDesc(self.key, host, bound, self.incarnation, self._backend.name)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return self._local
+
+    @property
+    def loopback_only(self) -> bool:
+        """The listener accepts connections from this host only."""
+        return self._listener.loopback_only
 
     @property
     def local(self) -> EngineDesc:
@@ -124,25 +137,28 @@ class PeerTable:
     def begin_close(self) -> None:
         """Answer no hello and grant no queue pair from now on; links stay until ``close``."""
         self._closing = True
+        self._pairs.closing = True
 
     async def close(self) -> None:
         """Stop listening, close every link (and with them the answering pairs) and every pair left open."""
-        self._closing = True
+        self.begin_close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         await self._listener.close()
         for task in self._handshakes:
             task.cancel()  # each one's link is in the registry: closing it below closes the connection
         await self._links.close()
         if self._handshakes:
             await asyncio.wait(list(self._handshakes))
-        for opened in self._opened.values():
-            close_quietly(opened.qp)  # left by a session whose close failed: the backend goes next
-        self._opened.clear()
+        self._pairs.close_all()
 
     # -- peers -----------------------------------------------------------------------------------
 
     def register(self, desc: EngineDesc) -> None:
-        """Learn a peer from its descriptor (MoRI-IO's explicit style); a newer incarnation replaces it."""
-        self._known(desc)
+        """Learn a peer from its descriptor (MoRI-IO's explicit style); another incarnation replaces it."""
+        self._known(desc, from_peer=False)
 
     async def connect(self, address: str) -> PeerInfo:
         """Handshake with the engine at ``host:port``; it and the memory it exports."""
@@ -164,24 +180,11 @@ class PeerTable:
                 f"peer {remote.engine_key!r} is now incarnation {peer.desc.incarnation:#x}; "
                 f"the region belongs to {remote.incarnation:#x}"
             )
-        qp = self._backend.create_qp(self._cq)
-        try:
-            ready = await link.request(ConnectQp(incarnation=remote.incarnation, endpoint=dict(qp.endpoint())), QpReady)
-        except BaseException:
-            close_quietly(qp)
-            raise
-        try:
-            await _connect_off_loop(qp, ready.endpoint)
-        except BaseException:
-            link.post(CloseQp(qp=ready.qp))  # the answering pair waits for a pair that will never come
-            raise
-        self._opened[qp.qp_num] = _Opened(qp, peer.desc.key, peer.desc.incarnation, ready.qp)
-        return qp
+        return await self._pairs.open(link, peer.desc, remote)
 
     def close_qp(self, qp: QueuePair) -> None:
         """Close a pair ``open_qp`` gave, and tell the peer to close its answering pair (no wait)."""
-        opened = self._opened.pop(qp.qp_num, None)
-        close_quietly(qp)
+        opened = self._pairs.close(qp)
         if opened is None:
             return
         peer = self._peers.get(opened.key)
@@ -189,13 +192,47 @@ class PeerTable:
         if peer is not None and peer.desc.incarnation == opened.incarnation and peer.link is not None:
             peer.link.post(CloseQp(qp=opened.remote_qp))
 
-    def _known(self, desc: EngineDesc) -> _Peer:
+    def session_key(self, key: str) -> bytes | None:
+        """The session key of peer ``key``'s current link (None without a secret or a link).
+
+        Both ends of an authenticated link hold the same key and nobody else
+        does: data-plane tokens for that peer derive from it (``core.auth.token_for``).
+        """
+        peer = self._peers.get(key)
+        return self._links.session_key_of(peer.link) if peer is not None and peer.link is not None else None
+
+    def _known(self, desc: EngineDesc, *, from_peer: bool) -> _Peer:
+        """The peer ``desc`` names, learned or updated; ``StalePeer`` for an older incarnation ``from_peer``."""
         peer = self._peers.get(desc.key)
-        if peer is None or peer.desc.incarnation != desc.incarnation:
-            if peer is not None:
-                self._links.close_all_answering(peer.desc)  # the peer restarted: its earlier sessions are gone
-            peer = self._peers[desc.key] = _Peer(desc)
+        if peer is not None and peer.desc.incarnation == desc.incarnation:
+            self._peers.move_to_end(desc.key)
+            return peer
+        if peer is not None:
+            if from_peer and desc.incarnation < peer.desc.incarnation:
+                raise StalePeer(
+                    f"engine {desc.key!r} is known as incarnation {peer.desc.incarnation:#x}, newer than "
+                    f"{desc.incarnation:#x}: an older incarnation cannot take its place"
+                )
+            # The peer restarted: its earlier sessions are gone, and so are its earlier links.
+            self._links.close_all_answering(peer.desc)
+            self._links.close_superseded(desc)
+        peer = self._peers[desc.key] = _Peer(desc)
+        self._peers.move_to_end(desc.key)
+        self._prune(keep=desc.key)
         return peer
+
+    def _prune(self, keep: str | None = None) -> None:
+        """Forget the least recently used peers with no open link and no pair, down to ``max_peers``."""
+        excess = len(self._peers) - self._max_peers
+        if excess <= 0:
+            return
+        busy = self._links.keys_with_links() | self._pairs.peer_keys()
+        for key in list(self._peers):
+            if excess <= 0:
+                break
+            if key != keep and key not in busy:
+                del self._peers[key]
+                excess -= 1
 
     async def _link_for(self, key: str) -> tuple[_Peer, ControlLink]:
         peer = self._peers.get(key)
@@ -203,6 +240,7 @@ class PeerTable:
             raise InvalidArgument(
                 f"unknown peer engine {key!r}", hint="connect() to it or register_remote_engine() first"
             )
+        self._peers.move_to_end(key)
         if peer.link is None or peer.link.closed:
             link, welcome = await self._dial(peer.desc.host, peer.desc.port)
             if welcome.engine.key != key:  # the address now belongs to another engine
@@ -216,104 +254,136 @@ class PeerTable:
 
     # -- links -----------------------------------------------------------------------------------
 
-    def _adopt(self, link: ControlLink, desc: EngineDesc) -> None:
-        if not self._links.bind(link, desc):
-            return  # closed meanwhile
-        peer = self._known(desc)
+    def _adopt(self, link: ControlLink, desc: EngineDesc, session_key: bytes | None) -> bool:
+        """Bind ``link`` to the engine that said (and proved) hello on it; False if the link closed meanwhile."""
+        peer = self._known(desc, from_peer=True)
+        if not self._links.bind(link, desc, session_key):
+            return False
         if peer.link is None or peer.link.closed:
             peer.link = link
+        return True
 
     async def _dial(self, host: str, port: int) -> tuple[ControlLink, Welcome]:
-        hello = Hello(engine=EngineRecord.of(self.local))
         try:
-            reader, writer = await asyncio.open_connection(host, port)
-        except OSError as exc:
-            raise ControlPlaneError(f"cannot reach engine at {host}:{port}: {exc}") from exc
-        link = self._links.open(reader, writer, self)
+            async with asyncio.timeout(self._links.limits.timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError) as exc:
+            raise ControlPlaneError(f"cannot reach engine at {host}:{port}: {exc!r}") from exc
+        link = self._links.open(reader, writer, self, accepted=False)
         link.start()
         try:
-            welcome = await link.request(hello, Welcome)
+            welcome, session_key = await self._handshake.dial(link, self.local)
             if self._closing:
                 raise EngineClosed(f"engine {self.key!r} closed during the handshake")
+            self._adopt(link, welcome.engine.desc(), session_key)
         except BaseException:
             link.close()
             raise
-        self._adopt(link, welcome.engine.desc())
         return link, welcome
+
+    def _admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
+        why = self._links.admit(host, pending_from_host, pending)
+        if why is not None:
+            self._guard.refused_link(host, why)
+        return why
 
     def _on_accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing:
             writer.close()  # accepted just before close(): no link, no answer
             return
-        link = self._links.open(reader, writer, self)
+        link = self._links.open(reader, writer, self, accepted=True)
         task = asyncio.get_running_loop().create_task(self._answer_hello(link))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
 
     async def _answer_hello(self, link: ControlLink) -> None:
+        """The listener's side of the hello, within one deadline; the link changes nothing unless it is welcome."""
+        timeout = self._links.limits.timeout
+        reply_to: int | None = None
         try:
-            first = await link.read_message(idle_ok=False)
-            if first is None:
-                link.close()
-                return
-            if not isinstance(first, Hello):
-                raise ControlPlaneError("the first control frame must be a hello request")
-        except (ControlPlaneError, OSError) as exc:
-            log.warning("control handshake from %s refused: %s", link.peer_address, exc)
-            await link.refuse("handshake", str(exc))
-            link.close()
+            async with asyncio.timeout(timeout):
+                greeting = await self._handshake.answer(link, self.local)  # EngineClosed once close() began
+                if greeting is None or self._closing:
+                    link.close()  # the client left, or close() began while the hello was on its way
+                    return
+                reply_to = greeting.reply_to
+                if not self._adopt(link, greeting.desc, greeting.session_key):
+                    return
+                await link.send(Welcome(re=reply_to, engine=EngineRecord.of(self.local), memory=self._exports()))
+        except HelloRefused as exc:
+            known = exc.key is not None and exc.key in self._peers
+            await self._refuse_hello(
+                link, exc.reason, str(exc), exc.re, auth=exc.auth, impersonation=exc.auth and known
+            )
             return
-        if self._closing:
-            link.close()  # close() began while the hello was on its way: no answer, no new peer
+        except StalePeer as exc:
+            await self._refuse_hello(link, "stale", str(exc), reply_to)
             return
-        self._adopt(link, first.engine.desc())
-        welcome = Welcome(re=first.id, engine=EngineRecord.of(self.local), memory=self._exports())
-        try:
-            await link.send(welcome)
-        except ControlPlaneError:
-            return  # the client left before the answer; send() closed the link
+        except FrameError as exc:
+            await self._refuse_hello(link, "handshake", str(exc), None)
+            return
+        except TimeoutError:
+            await self._refuse_hello(link, "handshake", f"no complete hello within {timeout:g}s", None)
+            return
+        except (ControlPlaneError, EngineClosed, OSError):
+            link.close()  # the client left before the answer, or the engine began to close
+            return
         link.start()
+
+    async def _refuse_hello(
+        self,
+        link: ControlLink,
+        reason: str,
+        why: str,
+        re: int | None,
+        *,
+        auth: bool = False,
+        impersonation: bool = False,
+    ) -> None:
+        """Count and log a refused hello, answer it once, and close the link (nothing else was kept)."""
+        self._guard.rogue_hello(link.peer_host, link.peer_address, why, auth=auth, impersonation=impersonation)
+        try:
+            await link.refuse(reason, why, re)
+        finally:
+            link.close()
 
     def _exports(self) -> list[RegionRecord]:
         return [RegionRecord.of(d) for d in self._memory.exported()]
 
+    async def _sweep(self) -> None:
+        """Close links idle past ``link_idle_timeout`` that carry nothing (a timer, not a per-link task)."""
+        idle_timeout = self._links.limits.idle_timeout
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(idle_timeout / 4, 5.0))
+            now = loop.time()
+            for link in self._links.idle(now):
+                self._guard.idle(link.peer_address, now - link.last_activity)
+                link.close()
+
     # -- LinkHandler: what peers ask -------------------------------------------------------------
 
     async def on_request(self, link: ControlLink, request: Request) -> Reply:
-        if isinstance(request, Hello):
+        if isinstance(request, Hello | Proof):
             raise ControlPlaneError("hello was already said on this link")
         self._peer_of(link)
         if isinstance(request, ListMemory):
             return Exports(memory=self._exports())
-        return await self._serve_connect_qp(link, request)
+        return await self._pairs.answer(link, request)
 
-    async def _serve_connect_qp(self, link: ControlLink, request: ConnectQp) -> QpReady:
-        if self._closing:
-            raise EngineClosed(f"engine {self.key!r} is closing")
-        if request.incarnation != self.incarnation:
-            raise StalePeer(
-                f"engine {self.key!r} is incarnation {self.incarnation:#x}, not {request.incarnation:#x}: it restarted"
-            )
-        qp = self._backend.create_qp(self._cq)
-        try:
-            await _connect_off_loop(qp, request.endpoint)
-        except Exception as exc:
-            raise ControlPlaneError(f"cannot connect the answering queue pair: {exc}") from exc
-        if self._closing or not self._links.keep_answering(link, qp):
-            close_quietly(qp)  # the link closed while the pair connected: nobody will use it
-            raise ControlPlaneError("the link closed while the answering queue pair connected")
-        return QpReady(qp=qp.qp_num, endpoint=dict(qp.endpoint()))
-
-    def on_notice(self, link: ControlLink, notice: Notice) -> None:
+    async def on_notice(self, link: ControlLink, notice: Notice) -> None:
         try:
             peer = self._peer_of(link)
         except ControlPlaneError as exc:
-            log.info("control link %s: %s dropped: %s", link.peer_address, type(notice).__name__, exc)
+            self._guard.dropped_notice(link.peer_host, link.peer_address, type(notice).__name__, str(exc))
             return
         if isinstance(notice, Notify):
-            self._inbox.put(Notification(peer.desc.key, notice.data))
+            await self._inbox.put(Notification(peer.desc.key, notice.data))  # waits while the inbox is full
         else:
             self._links.close_answering(link, notice.qp)
+
+    def on_bad_frame(self, link: ControlLink, error: FrameError) -> None:
+        self._guard.bad_frame(link.peer_host, link.peer_address, error)
 
     def on_link_closed(self, link: ControlLink) -> None:
         desc = self._links.forget(link)
@@ -321,6 +391,7 @@ class PeerTable:
         if peer is not None and peer.link is link:
             # Another open link of the same peer carries on, if there is one; else the next request dials.
             peer.link = self._links.another(peer.desc)
+        self._prune()
 
     def _peer_of(self, link: ControlLink) -> _Peer:
         desc = self._links.engine_of(link)
@@ -332,27 +403,4 @@ class PeerTable:
         return peer
 
     def statistics(self) -> PeerStatistics:
-        return PeerStatistics(len(self._peers), len(self._links), self._links.answering, len(self._opened))
-
-
-async def _connect_off_loop(qp: QueuePair, endpoint: Endpoint) -> None:
-    """Bring ``qp`` to RTS in a worker thread (it may block); on failure or cancellation it is closed.
-
-    Cancelling does not stop the thread, so a cancelled connect closes the pair only once the
-    thread is done with it: closing a pair under a running connect is not the backend's to survive.
-    """
-    connecting = asyncio.get_running_loop().run_in_executor(None, qp.connect, endpoint)
-    try:
-        await asyncio.shield(connecting)
-    except asyncio.CancelledError:
-
-        def close_after(fut: asyncio.Future[None]) -> None:
-            if not fut.cancelled():
-                fut.exception()  # retrieved: the connect's own failure does not matter any more
-            close_quietly(qp)
-
-        connecting.add_done_callback(close_after)
-        raise
-    except BaseException:
-        close_quietly(qp)
-        raise
+        return PeerStatistics(len(self._peers), len(self._links), self._links.answering, self._pairs.opened)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import struct
 from typing import Any
@@ -19,36 +18,21 @@ from moriio_async import (
     waiting_for_transfer_complete,
 )
 from moriio_async.aio.control import ControlLink
+from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import Notice, Reply, Request
 
 from .conftest import Pair
+from .wire import close, engine_fields, frame, hello, messages, open_raw, read_message, until
 
 
 async def raw_exchange(address: str, payload: bytes, *, read: bool = True) -> bytes:
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
+    reader, writer = await open_raw(address)
     try:
         writer.write(payload)
         await writer.drain()
         return await asyncio.wait_for(reader.read(), 5) if read else b""
     finally:
-        writer.close()
-        await writer.wait_closed()
-
-
-def frame(obj: object) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack("!I", len(body)) + body
-
-
-def messages(stream: bytes) -> list[dict[str, Any]]:
-    """Every frame in ``stream``, decoded."""
-    out = []
-    while stream:
-        (n,) = struct.unpack("!I", stream[:4])
-        out.append(json.loads(stream[4 : 4 + n]))
-        stream = stream[4 + n :]
-    return out
+        await close(writer)
 
 
 def error_reason(reply: bytes) -> str:
@@ -57,34 +41,11 @@ def error_reason(reply: bytes) -> str:
     return str(msg["reason"])
 
 
-def engine_fields(key: str, backend: str = "mock", incarnation: int = 1) -> dict[str, Any]:
-    return {"kind": "EngineDesc", "key": key, "host": "127.0.0.1", "port": 1, "incarnation": incarnation,
-            "backend": backend}  # fmt: skip
-
-
 async def raw_hello(address: str, key: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A hand-made client that said hello and read the welcome."""
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(frame({"op": "hello", "id": 1, "engine": engine_fields(key)}))
-    await writer.drain()
-    assert (await read_message(reader))["op"] == "welcome"
-    return reader, writer
-
-
-async def read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
-    (n,) = struct.unpack("!I", await asyncio.wait_for(reader.readexactly(4), 5))
-    message: dict[str, Any] = json.loads(await asyncio.wait_for(reader.readexactly(n), 5))
-    return message
-
-
-async def until(condition: Any, limit: float = 5.0) -> None:
-    """Poll an engine's statistics until ``condition()`` holds (the engine acts on its own tasks)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + limit
-    while not condition():
-        assert loop.time() < give_up, "the engine did not get there in time"
-        await asyncio.sleep(0.005)
+    """A hand-made client that said hello (and proved the secret, if this run has one) and was welcomed."""
+    said = await hello(address, key)
+    assert said.welcomed, said.replies
+    return said.reader, said.writer
 
 
 @pytest.mark.parametrize(
@@ -124,21 +85,14 @@ async def test_a_stalled_half_frame_is_dropped_after_the_control_timeout() -> No
 
 
 async def test_malformed_frame_after_hello_closes_only_that_link(pair: Pair) -> None:
-    hello = {
-        "op": "hello",
-        "id": 1,
-        "engine": {
-            "kind": "EngineDesc",
-            "key": "evil",
-            "host": "127.0.0.1",
-            "port": 1,
-            "incarnation": 1,
-            "backend": "mock",
-        },
-    }
-    reply = await raw_exchange(pair.b.address, frame(hello) + struct.pack("!I", 3) + b"]]]")
-    assert [m["op"] for m in messages(reply)] == ["welcome", "error"]
+    said = await hello(pair.b.address, "evil")
+    assert said.welcomed
+    said.writer.write(struct.pack("!I", 3) + b"]]]")
+    await said.writer.drain()
+    reply = await asyncio.wait_for(said.reader.read(), 5)
+    assert [m["op"] for m in messages(reply)] == ["error"]
     assert error_reason(reply) == "frame"
+    await said.close()
     # The established link between a and b still works.
     await pair.a.notify("b", b"still here")
     assert (await pair.b.recv_notification(timeout=5)).data == b"still here"
@@ -244,7 +198,10 @@ class Refusing:
     async def on_request(self, link: ControlLink, request: Request) -> Reply:
         raise self.exc
 
-    def on_notice(self, link: ControlLink, notice: Notice) -> None:
+    async def on_notice(self, link: ControlLink, notice: Notice) -> None:
+        pass
+
+    def on_bad_frame(self, link: ControlLink, error: FrameError) -> None:
         pass
 
     def on_link_closed(self, link: ControlLink) -> None:

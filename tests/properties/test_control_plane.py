@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gc
 import json
+import os
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
 
+from ..engine.wire import hello
 from .conftest import backends, slow_examples
 from .model import engine_pair
 
@@ -24,7 +30,7 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
-OPS = ["hello", "connect_qp", "connect_qp", "close_qp", "memory", "notify", "error", "qp", "ok", "nope"]
+OPS = ["hello", "proof", "connect_qp", "connect_qp", "close_qp", "memory", "notify", "error", "qp", "challenge", "nope"]
 INCARNATION = "<the target's incarnation>"
 """Stands for the target engine's real incarnation, known only once it runs (so connect_qp can succeed)."""
 
@@ -76,6 +82,9 @@ def request(rid: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
             "endpoint": endpoints,
             "qp": json_values,
             "data": st.one_of(st.text(max_size=12), st.binary(max_size=12).map(lambda b: b.hex())),
+            "proof": st.one_of(json_values, st.binary(max_size=40).map(b64)),
+            "nonce": st.one_of(json_values, st.binary(max_size=40).map(b64)),
+            "auth": json_values,
             "re": json_values,
             "engine": json_values,
         },
@@ -110,16 +119,30 @@ class Talk:
         return {k: incarnation if v == INCARNATION else v for k, v in msg.items()}
 
 
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 @st.composite
-def conversations(draw: st.DrawFn) -> Talk:
-    kind = draw(st.sampled_from(["raw", "frames", "hello+frames", "hello+frames", "hello+connect_qp"]))
+def conversations(draw: st.DrawFn, impersonate: bool) -> Talk:
+    """A hostile client's whole conversation, written at once. With ``impersonate`` its hellos may also
+    claim the legitimate peer's key "a" (only meaningful when the target requires a secret: without one,
+    anybody may say hello as anybody, by design)."""
+    kind = draw(st.sampled_from(["raw", "frames", "hello+frames", "hello+frames", "hello+connect_qp", "auth"]))
     parts: list[dict[str, Any] | bytes] = []
     if kind == "raw":
         parts.append(draw(st.binary(max_size=64)))
     else:
-        if kind.startswith("hello"):
-            key = draw(st.text("xyz", min_size=1, max_size=3))  # never a legitimate engine's key
-            parts.append({"op": "hello", "id": draw(st.integers(0, 5)), "engine": draw(engine_dict(key))})
+        if kind.startswith("hello") or kind == "auth":
+            keys = st.text("xyz", min_size=1, max_size=3)  # never a legitimate engine's key...
+            key = draw(st.one_of(keys, st.just("a")) if impersonate else keys)  # ...unless it must prove it
+            hello = {"op": "hello", "id": draw(st.integers(0, 5)), "engine": draw(engine_dict(key))}
+            if kind == "auth":  # claims a secret, and answers the challenge (unseen) with a proof it cannot make
+                hello |= {"auth": True, "nonce": b64(draw(st.binary(min_size=32, max_size=32)))}
+                parts.append(hello)
+                parts.append({"op": "proof", "id": 2, "proof": b64(draw(st.binary(min_size=32, max_size=32)))})
+            else:
+                parts.append(hello)
         if kind == "hello+connect_qp":
             # A request the target grants: it opens an answering queue pair for this hostile peer.
             endpoint = {"backend": draw(st.sampled_from(["tcp", "mock"])), "accepting": False, "host": "127.0.0.1",
@@ -167,17 +190,45 @@ async def settled_links(engine: IOEngine, baseline: int, limit: float = 5.0) -> 
         await asyncio.sleep(0.005)
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads() -> int:
+    """Threads, leaving out the engines' connect executors (their idle workers stay until the engine closes)."""
+    return sum(1 for t in threading.enumerate() if not t.name.startswith("moriio-qp-"))
+
+
+async def settled(measure: Callable[[], int], baseline: int, limit: float = 5.0) -> int:
+    """``measure()`` once it is back to ``baseline``, or when ``limit`` seconds have passed."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit
+    while (value := measure()) > baseline and loop.time() < give_up:  # noqa: ASYNC110 (polls process state)
+        await asyncio.sleep(0.01)
+    return value
+
+
+SECRET = "the-property-suite-shared-secret"
+
+
 @settings(max_examples=slow_examples(25))
-@given(st.lists(conversations(), min_size=1, max_size=3))
+@given(data=st.data())
+@pytest.mark.parametrize("secret", ["", SECRET], ids=["open", "secret"])
 @backends()
-async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(backend: str, talks: list[Talk]) -> None:
+async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(
+    backend: str, secret: str, data: st.DataObject
+) -> None:
     """Random and mutated control frames (garbage, bad lengths, bad JSON, hellos with broken
-    descriptors, requests of every op with random fields, cut or corrupted streams) never kill the
-    listener, never raise into the event loop, and leave no half-registered peer: once the hostile
-    connection is gone, no link, answering queue pair or channel of it remains, and legitimate
-    peers still connect, make sessions and move data."""
-    async with engine_pair(backend, control_timeout=1.0) as p:
+    descriptors, hellos that claim a secret and answer with a proof they cannot make, requests of every
+    op with random fields, cut or corrupted streams) never kill the listener, never raise into the event
+    loop, and leave nothing behind once the hostile connection is gone: no link, no answering queue pair
+    or channel, no task, no file descriptor, no thread; with a secret, not even a peer entry (and hellos
+    under the legitimate peer's own key change nothing), without one at most ``max_peers`` of them. And
+    legitimate peers still connect, make sessions and move data."""
+    async with engine_pair(backend, control_timeout=1.0, secret=secret, max_peers=2) as p:
+        talks = data.draw(st.lists(conversations(impersonate=bool(secret)), min_size=1, max_size=3))
         baseline = p.b.statistics()
+        tasks, fds, thread_count = len(asyncio.all_tasks()), open_fds(), threads()
         for talk in talks:
             await hostile(p.b.address, talk.render(p.b.incarnation), talk.leave)
         await settled_links(p.b, baseline["links"])
@@ -186,6 +237,14 @@ async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(backe
         assert after["links"] == baseline["links"], "a hostile connection's link outlived it"
         assert after["answering_qps"] == baseline["answering_qps"], "a hostile peer's answering pair outlived it"
         assert (after["channels"], after["sessions"]) == (baseline["channels"], baseline["sessions"])
+        if secret:
+            assert after["peers"] == baseline["peers"], "a hello that proved nothing left a peer entry"
+            assert after["notifications"] == 0, "a notification from a link that proved nothing was delivered"
+        else:
+            assert after["peers"] <= 2, "peers without links were not pruned to max_peers"
+        assert await settled(lambda: len(asyncio.all_tasks()), tasks) == tasks, "a task outlived its connection"
+        assert await settled(open_fds, fds) == fds, "a file descriptor outlived its connection"
+        assert await settled(threads, thread_count) == thread_count, "a thread outlived its connection"
         # The listener still serves, and the legitimate peer still works end to end.
         info = await p.a.connect(p.b.address)
         session = await p.a.create_session(p.desc_a, info.memory["kv"])
@@ -193,6 +252,10 @@ async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(backe
         await waiting_for_transfer_complete([session.read(0, 0, 64), p.session.read(64, 64, 64)], timeout=10)
         assert (p.buf_a[:64] == 0x5A).all()
         await session.close()
+        await p.a.notify("b", b"legitimate")
+        while (note := await p.b.recv_notification(timeout=5)).peer != "a":
+            assert not secret  # without a secret, hostile hellos may notify too: they are peers like any
+        assert note.data == b"legitimate"
 
 
 @backends()
@@ -257,25 +320,6 @@ async def test_a_hello_that_arrives_while_the_engine_closes_is_dropped_cleanly(b
     gc.collect()
 
 
-async def _raw_hello(
-    address: str, key: str, incarnation: int, backend: str
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    desc = {
-        "kind": "EngineDesc",
-        "key": key,
-        "host": "127.0.0.1",
-        "port": 1,
-        "incarnation": incarnation,
-        "backend": backend,
-    }
-    writer.write(frame({"op": "hello", "id": 1, "engine": desc}))
-    await writer.drain()
-    await reader.readexactly(struct.unpack("!I", await reader.readexactly(4))[0])
-    return reader, writer
-
-
 @backends()
 async def test_answering_pairs_opened_over_a_second_link_are_closed_with_it(backend: str) -> None:
     """Two connections from one peer (same key and incarnation): the second is not the peer's link.
@@ -285,8 +329,10 @@ async def test_answering_pairs_opened_over_a_second_link_are_closed_with_it(back
     async with engine_pair(backend, control_timeout=1.0) as p:
         baseline = links(p.b)
         answering_before = answering(p.b)
-        _r1, w1 = await _raw_hello(p.b.address, "x", 5, backend)
-        r2, w2 = await _raw_hello(p.b.address, "x", 5, backend)
+        first = await hello(p.b.address, "x", incarnation=5, backend=backend)
+        second = await hello(p.b.address, "x", incarnation=5, backend=backend)
+        assert first.welcomed and second.welcomed
+        w1, r2, w2 = first.writer, second.reader, second.writer
         w1.close()
         await settled_links(p.b, baseline + 1)
         endpoint = {"backend": backend, "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 1,

@@ -1,0 +1,107 @@
+"""What hostile or broken peers did to one engine: counted for ``statistics()``, logged without flooding.
+
+Every line a peer can provoke goes through a ``RateLimitedLog`` keyed on the
+remote address (one WARNING per address per interval, the next one saying
+how many were held back), so a peer that sends a thousand bad frames or
+rogue hellos costs a line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..core.ratelog import RateLimitedLog
+
+__all__ = ["ControlCounters", "Guard"]
+
+log = logging.getLogger("moriio_async")
+
+MAX_TRACKED_PEERS = 1024
+"""Peers whose access errors are counted one by one (least recently hit dropped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ControlCounters:
+    """A snapshot of the guard's counters."""
+
+    refused_links: int
+    """Connections refused at accept (the link caps)."""
+    idle_closed: int
+    """Links closed after ``link_idle_timeout`` carrying nothing."""
+    bad_frames: int
+    """Frames that were not one valid message (each closed its link)."""
+    rogue_hellos: int
+    """Hellos refused: a bad first frame, a key too long, a failed proof, a secret on one side only, an
+    older incarnation."""
+    auth_failures: int
+    """Of those, the hellos whose proof failed or that disagreed about having a secret."""
+    impersonations: int
+    """Of those, the hellos that named an engine this one knows, and failed to prove or were older than it."""
+    access_errors: dict[str, int]
+    """Remote access errors per peer key (fed by the data plane)."""
+
+
+class Guard:
+    """Counters and rate-limited lines for what peers do wrong; one per engine."""
+
+    def __init__(self, logger: logging.Logger = log, *, interval: float = 10.0) -> None:
+        self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
+        self._info = RateLimitedLog(logger, logging.INFO, interval=interval)
+        self.refused_links = 0
+        self.idle_closed = 0
+        self.bad_frames = 0
+        self.rogue_hellos = 0
+        self.auth_failures = 0
+        self.impersonations = 0
+        self._access_errors: OrderedDict[str, int] = OrderedDict()
+
+    @property
+    def suppressed(self) -> int:
+        """Lines held back by the rate limits so far."""
+        return self._warn.suppressed + self._info.suppressed
+
+    def refused_link(self, host: str, why: str) -> None:
+        self.refused_links += 1
+        self._warn.log(f"accept:{host}", "control listener: refused a connection from %s: %s", host, why)
+
+    def idle(self, address: str, seconds: float) -> None:
+        self.idle_closed += 1
+        log.debug("control link %s: idle for %gs with nothing on it; closed", address, seconds)
+
+    def bad_frame(self, host: str, address: str, error: Exception) -> None:
+        self.bad_frames += 1
+        self._warn.log(f"frame:{host}", "control link %s: %s; closing it", address, error)
+
+    def rogue_hello(
+        self, host: str, address: str, why: str, *, auth: bool = False, impersonation: bool = False
+    ) -> None:
+        """A hello refused; ``auth``: a failed proof or a secret on one side only; ``impersonation``: it
+        named an engine this one knows."""
+        self.rogue_hellos += 1
+        self.auth_failures += auth
+        self.impersonations += impersonation
+        what = "impersonation attempt" if impersonation else "authentication failed" if auth else "hello refused"
+        self._warn.log(f"hello:{host}", "control handshake from %s: %s: %s", address, what, why)
+
+    def dropped_notice(self, host: str, address: str, what: str, why: str) -> None:
+        self._info.log(f"notice:{host}", "control link %s: %s dropped: %s", address, what, why)
+
+    def access_error(self, peer: str, detail: str) -> None:
+        """A peer's remote request was refused by the bounds checks (an unexported rkey, a bad range)."""
+        self._access_errors[peer] = self._access_errors.pop(peer, 0) + 1
+        if len(self._access_errors) > MAX_TRACKED_PEERS:
+            self._access_errors.popitem(last=False)
+        self._warn.log(f"access:{peer}", "peer %r: remote access refused: %s", peer, detail)
+
+    def snapshot(self) -> ControlCounters:
+        return ControlCounters(
+            self.refused_links,
+            self.idle_closed,
+            self.bad_frames,
+            self.rogue_hellos,
+            self.auth_failures,
+            self.impersonations,
+            dict(self._access_errors),
+        )

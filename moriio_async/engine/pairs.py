@@ -1,0 +1,175 @@
+"""Queue pairs between this engine and its peers: the ones its sessions open, and the ones it answers.
+
+``QueuePair.connect`` may block (the backend contract), so it never runs on
+the event loop, and never on the loop's default executor either: a peer that
+names an endpoint which hangs must not hold a worker that other setups (the
+backend's own open and close, the application's ``run_in_executor``) wait
+for. Each direction has a small executor of its own, and an answering connect
+holds its link's lock until its thread is done, so one link never occupies
+more than one answering worker however many ``connect_qp`` it sends.
+
+Backend note: the answering (passive) side's connect is expected not to block
+at all (it does no I/O on verbs and mock; the TCP backend is to refuse an
+endpoint that would make the passive side dial, see the hardening notes). Once
+every backend guarantees that, the answering executor can go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+
+from ..aio.control import ControlLink
+from ..backends.base import Backend, CompletionQueue, Endpoint, QueuePair
+from ..core.protocol import CloseQp, ConnectQp, QpReady
+from ..descriptors import EngineDesc, MemoryDesc
+from ..errors import ControlPlaneError, EngineClosed, StalePeer
+from .links import LinkRegistry, close_quietly
+
+__all__ = ["ANSWER_WORKERS", "OPEN_WORKERS", "Opened", "PairBroker"]
+
+OPEN_WORKERS = 4
+"""Threads connecting this engine's own session pairs."""
+ANSWER_WORKERS = 4
+"""Threads connecting answering pairs for peers (at most one per link at a time)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A pair one of this engine's sessions opened."""
+
+    qp: QueuePair
+    key: str
+    incarnation: int
+    remote_qp: int
+    """The peer's answering pair, as ``close_qp`` names it."""
+
+
+class PairBroker:
+    """Opens session pairs over a link, answers peers' ``connect_qp``, and keeps the books of both."""
+
+    def __init__(self, key: str, incarnation: int, *, backend: Backend, cq: CompletionQueue, links: LinkRegistry):
+        self._key = key
+        self._incarnation = incarnation
+        self._backend = backend
+        self._cq = cq
+        self._links = links
+        self._opened: dict[int, Opened] = {}
+        self._open_pool = concurrent.futures.ThreadPoolExecutor(OPEN_WORKERS, thread_name_prefix="moriio-qp-open")
+        self._answer_pool = concurrent.futures.ThreadPoolExecutor(ANSWER_WORKERS, thread_name_prefix="moriio-qp-answer")
+        self.closing = False
+
+    @property
+    def opened(self) -> int:
+        return len(self._opened)
+
+    def peer_keys(self) -> set[str]:
+        """Peers this engine's sessions hold pairs to (never pruned from the peer table)."""
+        return {o.key for o in self._opened.values()}
+
+    async def open(self, link: ControlLink, peer: EngineDesc, remote: MemoryDesc) -> QueuePair:
+        """A connected pair to ``peer`` (its region ``remote``), its answering half asked for over ``link``."""
+        qp = self._backend.create_qp(self._cq)
+        try:
+            ready = await link.request(ConnectQp(incarnation=remote.incarnation, endpoint=dict(qp.endpoint())), QpReady)
+        except BaseException:
+            close_quietly(qp)
+            raise
+        try:
+            await _connect_off_loop(qp, ready.endpoint, self._open_pool)
+        except BaseException:
+            link.post(CloseQp(qp=ready.qp))  # the answering pair waits for a pair that will never come
+            raise
+        self._opened[qp.qp_num] = Opened(qp, peer.key, peer.incarnation, ready.qp)
+        self._links.note_opened(link, qp.qp_num)
+        return qp
+
+    def close(self, qp: QueuePair) -> Opened | None:
+        """Close a pair ``open`` gave; what it was (to tell the peer), or None if unknown."""
+        opened = self._opened.pop(qp.qp_num, None)
+        self._links.drop_opened(qp.qp_num)
+        close_quietly(qp)
+        return opened
+
+    async def answer(self, link: ControlLink, request: ConnectQp) -> QpReady:
+        """Open and connect an answering pair for the peer on ``link``, within the per-link limit."""
+        if self.closing:
+            raise EngineClosed(f"engine {self._key!r} is closing")
+        if request.incarnation != self._incarnation:
+            raise StalePeer(
+                f"engine {self._key!r} is incarnation {self._incarnation:#x}, "
+                f"not {request.incarnation:#x}: it restarted"
+            )
+        lock = self._links.connect_lock(link)
+        if lock is None or not self._links.reserve_answering(link):
+            limit = self._links.limits.max_answering_per_link
+            raise ControlPlaneError(f"at most {limit} answering queue pairs per link (max_answering_qps_per_link)")
+        try:
+            qp = self._backend.create_qp(self._cq)
+            try:
+                async with asyncio.timeout(self._links.limits.timeout):
+                    await _connect_off_loop(qp, request.endpoint, self._answer_pool, lock)
+            except TimeoutError:
+                raise ControlPlaneError(
+                    f"the answering queue pair did not connect within {self._links.limits.timeout:g}s"
+                ) from None
+            except EngineClosed:
+                raise
+            except Exception as exc:
+                raise ControlPlaneError(f"cannot connect the answering queue pair: {exc}") from exc
+            if self.closing or not self._links.keep_answering(link, qp):
+                close_quietly(qp)  # the link closed while the pair connected: nobody will use it
+                raise ControlPlaneError("the link closed while the answering queue pair connected")
+        finally:
+            self._links.unreserve_answering(link)
+        return QpReady(qp=qp.qp_num, endpoint=dict(qp.endpoint()))
+
+    def close_all(self) -> None:
+        """Close every opened pair left (by sessions whose close failed) and stop the executors."""
+        for opened in self._opened.values():
+            close_quietly(opened.qp)
+        self._opened.clear()
+        # Not waited for: a worker stuck in a connect ends at the backend's connect timeout, off the loop.
+        self._open_pool.shutdown(wait=False, cancel_futures=True)
+        self._answer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _connect_off_loop(
+    qp: QueuePair, endpoint: Endpoint, pool: concurrent.futures.Executor, lock: asyncio.Lock | None = None
+) -> None:
+    """Bring ``qp`` to RTS in a worker of ``pool`` (it may block); on failure or cancellation it is closed.
+
+    Cancelling does not stop the thread, so a cancelled connect closes the pair only once the
+    thread is done with it: closing a pair under a running connect is not the backend's to survive.
+    ``lock``, if given, is held until the thread is done, not just until this waiter gives up.
+    """
+    if lock is not None:
+        try:
+            await lock.acquire()
+        except BaseException:
+            close_quietly(qp)
+            raise
+    try:
+        connecting = asyncio.get_running_loop().run_in_executor(pool, qp.connect, endpoint)
+    except RuntimeError as exc:  # the executor was shut down: the engine closes
+        if lock is not None:
+            lock.release()
+        close_quietly(qp)
+        raise EngineClosed("the engine closed while a queue pair connected") from exc
+    if lock is not None:
+        connecting.add_done_callback(lambda _: lock.release())
+    try:
+        await asyncio.shield(connecting)
+    except asyncio.CancelledError:
+
+        def close_after(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the connect's own failure does not matter any more
+            close_quietly(qp)
+
+        connecting.add_done_callback(close_after)
+        raise
+    except BaseException:
+        close_quietly(qp)
+        raise
