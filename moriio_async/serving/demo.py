@@ -23,7 +23,6 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .config import add_model_args, add_timeout_args, model_config
 from .launcher import Child, Launcher
 from .model import Model, decode_text, encode
-from .report import ModeReport, render_table
+from .report import KillReport, ModeReport, render_table
 from .workload import Result, make_prompts, run_load
 
 __all__ = ["add_demo_parser", "run_demo"]
@@ -68,15 +67,6 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_model_args(p)
     add_timeout_args(p)
     p.set_defaults(transfer_timeout=5.0)
-
-
-@dataclass
-class KillReport:
-    in_flight_blocks: int = 0
-    killed_at: float = 0.0
-    restarted_after: float = 0.0
-    served_after_restart: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 class Demo:

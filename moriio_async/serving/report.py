@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 
 from .model import ModelConfig
 from .workload import Result, percentile
 
-if TYPE_CHECKING:
-    from .demo import KillReport
-
 __all__ = ["ModeReport", "render_table"]
+
+
+@dataclass
+class KillReport:
+    in_flight_blocks: int = 0
+    killed_at: float = 0.0
+    restarted_after: float = 0.0
+    served_after_restart: int = 0
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -20,7 +20,7 @@ Order and failure, striped:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from moriio_async import EngineClosed, InvalidArgument, SessionClosed, StalePeer, Transfer
 from moriio_async import Session as AsyncSession
@@ -28,11 +28,24 @@ from moriio_async import Session as AsyncSession
 from .config import RdmaBackendConfig
 from .desc import MemoryDesc
 from .enums import StatusCode
+from .loop import LoopThread
 from .plan import Part, check_blocks, plan_parts
 from .status import TransferStatus
 
-if TYPE_CHECKING:
-    from .runtime import EngineRuntime
+
+class SessionRuntime(Protocol):
+    """What a session needs of its engine's runtime (``runtime.EngineRuntime``), handed down to it."""
+
+    loop: LoopThread
+
+    def allocate_transfer_uid(self) -> int: ...
+
+    def announce(self, peer: str, uid: int) -> None: ...
+
+    def new_status(self) -> TransferStatus: ...
+
+    def problem(self, remote_key: str | None = None) -> str | None: ...
+
 
 __all__ = ["IOEngineSession", "StatusJoin", "code_for"]
 
@@ -87,7 +100,7 @@ class IOEngineSession:
 
     def __init__(
         self,
-        runtime: EngineRuntime,
+        runtime: SessionRuntime,
         local: MemoryDesc,
         remote: MemoryDesc,
         stripes: Sequence[AsyncSession],
