@@ -14,6 +14,7 @@ from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
 from moriio_async.backends.tcp import Fault, Hooks, TcpQueuePair, VendorErr, iov
 from moriio_async.backends.tcp.wire import peer_progress
+from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.errors import InvalidArgument, MoriioError
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import WorkRequest
@@ -229,3 +230,18 @@ def test_vectored_io_survives_partial_writes_and_reads() -> None:
     sent = np.concatenate([src[int(o) : int(o + n)] for o, n in zip(offsets, lengths, strict=True)])
     got = np.concatenate([dst[int(o) : int(o + n)] for o, n in zip(offsets[::-1], lengths[::-1], strict=True)])
     assert np.array_equal(sent, got)
+
+
+def test_a_fault_plan_given_through_backend_extra_applies(pairs: PairFactory) -> None:
+    """``extra={"fault_plan": plan}`` (IOEngineConfig's backend_extra) hooks every pair the backend makes."""
+    plan = FaultPlan((FaultRule(Action.STATUS, qp=0, wr=1, status=WcStatus.REM_OP_ERR),))
+    pair = pairs(extra={"fault_plan": plan})
+    wcs = pair.run([pair.write(i, i * 4096, 4096, i * 4096) for i in range(3)])
+    assert statuses(wcs) == [WcStatus.SUCCESS, WcStatus.REM_OP_ERR, WcStatus.WR_FLUSH_ERR]
+
+
+def test_backend_extra_fault_settings_are_checked(backend_name: str) -> None:
+    with pytest.raises(InvalidArgument, match="fault_plan"):
+        open_backend(backend_name, make_options(extra={"fault_plan": {"rules": []}}))
+    with pytest.raises(InvalidArgument, match="not both"):
+        open_backend(backend_name, make_options(extra={"fault_plan": FaultPlan(), "hooks": Hooks()}))

@@ -29,6 +29,10 @@ The lock rules, in one place:
 * Slots: ``posted`` is written under ``lock``; ``released`` by the CQ's
   poller, under the CQ's lock (``release_slots``); the poster reads their
   difference. Each has one writer.
+* Order: ``lock`` before the CQ's lock and before a region's pin lock;
+  ``tx_lock`` before ``lock`` (the sender), while ``lock`` before ``tx_lock``
+  happens only as a non-blocking try (the doorbell); nothing takes ``lock``
+  while holding ``rx_lock`` (entering ERR holds ``lock`` and waits for it).
 """
 
 from __future__ import annotations

@@ -180,8 +180,9 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
                     got = _patient(sock, lambda: recvmsg(fd, iov))
                 _finish_header(sock, header, got)
                 r: Response = RESPONSE.unpack_from(header.data)
-                with st.lock:
-                    ok = st.state == _RTS and _valid(head, r)
+                # No pair lock here: fail_locked takes it and then waits for rx_lock. Only this
+                # thread moves the head chunk's fields, and a state read races as harmlessly.
+                ok = st.state == _RTS and _valid(head, r)
                 left = r[6] - max(0, got - _SIZE)
                 if ok and left > 0:
                     if views is not None:
@@ -196,8 +197,9 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
                 starts = head.batch.sge_start
                 a = int(starts[head.lo])
                 lost = int(np.searchsorted(starts[head.lo : head.hi + 1], a + local.first_bad, side="right")) - 1
-                with st.lock:
-                    ok = st.state == _RTS and _valid(head, r)
+                # No pair lock here: fail_locked takes it and then waits for rx_lock. Only this
+                # thread moves the head chunk's fields, and a state read races as harmlessly.
+                ok = st.state == _RTS and _valid(head, r)
                 if ok:
                     keep = _payload(head, head.lo, head.lo + min(lost, r[4])) if min(lost, r[4]) else 0
                     if keep:
