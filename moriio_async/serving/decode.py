@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +45,7 @@ from .messages import (
     WriteDone,
     WriteFailed,
 )
-from .web import InstanceGetter, add_instance_routes, json_response, read_json
+from .web import instance_app, json_response, read_json
 
 __all__ = ["DecodeServer", "Generation", "create_decode_app"]
 
@@ -246,29 +245,13 @@ class DecodeServer:
 
 def create_decode_app(settings: InstanceSettings) -> FastAPI:
     """The decode instance's FastAPI app; its lifespan starts and closes the engine."""
-    getter = InstanceGetter()
-    servers: list[DecodeServer] = []
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        instance = Instance(settings)
-        await instance.start()
-        servers.append(DecodeServer(instance))
-        getter.instance = instance
-        try:
-            yield
-        finally:
-            getter.instance = None
-            await instance.close()
-
-    app = FastAPI(title=f"moriio_async decode {settings.name}", lifespan=lifespan)
-    add_instance_routes(app, getter)
+    app, server = instance_app(settings, "decode", DecodeServer)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        getter()
+        srv = server()
         req = await read_json(request, GenerateRequest)
-        gen, stats = await servers[0].generate(req)
+        gen, stats = await srv.generate(req)
         headers = {"x-kv-" + k.replace("_", "-"): str(v) for k, v in msgspec.structs.asdict(stats).items()}
         return StreamingResponse(
             gen.lines(), media_type="application/x-ndjson", headers=headers, background=BackgroundTask(gen.close)
@@ -276,8 +259,8 @@ def create_decode_app(settings: InstanceSettings) -> FastAPI:
 
     @app.post("/abort")
     async def abort(request: Request) -> Response:
-        getter()
-        servers[0].abort((await read_json(request, AbortRequest)).request_id)
+        srv = server()
+        srv.abort((await read_json(request, AbortRequest)).request_id)
         return json_response({"ok": True})
 
     return app

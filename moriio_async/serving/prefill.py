@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
@@ -41,7 +39,7 @@ from .messages import (
     WriteFailed,
 )
 from .rendezvous import Abandoned, Rendezvous
-from .web import InstanceGetter, add_instance_routes, json_response, read_json
+from .web import instance_app, json_response, read_json
 
 __all__ = ["PrefillServer", "create_prefill_app"]
 
@@ -240,34 +238,18 @@ class PrefillServer:
 
 def create_prefill_app(settings: InstanceSettings) -> FastAPI:
     """The prefill instance's FastAPI app; its lifespan starts and closes the engine."""
-    getter = InstanceGetter()
-    servers: list[PrefillServer] = []
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        instance = Instance(settings)
-        await instance.start()
-        servers.append(PrefillServer(instance))
-        getter.instance = instance
-        try:
-            yield
-        finally:
-            getter.instance = None
-            await instance.close()
-
-    app = FastAPI(title=f"moriio_async prefill {settings.name}", lifespan=lifespan)
-    add_instance_routes(app, getter)
+    app, server = instance_app(settings, "prefill", PrefillServer)
 
     @app.post("/prefill")
     async def prefill(request: Request) -> Response:
-        getter()
+        srv = server()
         req = await read_json(request, PrefillRequest)
-        return json_response(await servers[0].prefill(req))
+        return json_response(await srv.prefill(req))
 
     @app.post("/abort")
     async def abort(request: Request) -> Response:
-        getter()
-        servers[0].abort((await read_json(request, AbortRequest)).request_id)
+        srv = server()
+        srv.abort((await read_json(request, AbortRequest)).request_id)
         return json_response({"ok": True})
 
     return app

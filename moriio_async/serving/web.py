@@ -16,20 +16,24 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import msgspec
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
+from .config import InstanceSettings
 from .instance import Instance, ServingError
 from .messages import ErrorBody
 from .metrics import CONTENT_TYPE
 
-__all__ = ["add_instance_routes", "json_response", "read_body", "read_json", "serve"]
+__all__ = ["add_instance_routes", "instance_app", "json_response", "read_body", "read_json", "serve"]
 
 log = logging.getLogger("moriio_async.serving")
 T = TypeVar("T")
+S = TypeVar("S")
 MAX_BODY = 1 << 20
 """Largest request body accepted by any serving endpoint."""
 
@@ -87,6 +91,36 @@ def add_instance_routes(app: FastAPI, get: InstanceGetter) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(get().metrics.render(), media_type=CONTENT_TYPE)
+
+
+def instance_app(
+    settings: InstanceSettings, role: str, make_server: Callable[[Instance], S]
+) -> tuple[FastAPI, Callable[[], S]]:
+    """An instance's FastAPI app: its lifespan starts one ``Instance`` (and the role's server over it)
+    and closes it; ``/health`` and ``/metrics``; and a getter for the server (503 while starting)."""
+    getter = InstanceGetter()
+    servers: list[S] = []
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        instance = Instance(settings)
+        await instance.start()
+        servers.append(make_server(instance))
+        getter.instance = instance
+        try:
+            yield
+        finally:
+            getter.instance = None
+            await instance.close()
+
+    app = FastAPI(title=f"moriio_async {role} {settings.name}", lifespan=lifespan)
+    add_instance_routes(app, getter)
+
+    def server() -> S:
+        getter()  # ServingError(503) until the lifespan has started the instance
+        return servers[0]
+
+    return app, server
 
 
 def _watch_parent(server: uvicorn.Server, loop: asyncio.AbstractEventLoop) -> None:
