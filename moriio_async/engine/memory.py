@@ -66,40 +66,53 @@ class MemoryRegistry:
 
     Keyed by the whole descriptor, not by rkey: a region without remote access has no
     meaningful rkey (rxe gives every one of them rkey 0), so two such regions would
-    collide and deregistering one would drop the other.
+    collide and deregistering one would drop the other. Even the whole descriptor is not
+    unique: registering the same unnamed bytes twice without remote access gives two
+    equal descriptors (same address, length, rkey 0, access). Such registrations cannot
+    be told apart by their owner either, so each descriptor maps to a list of them and
+    one ``deregister`` removes one, the least used (see ``lookup``).
     """
 
     def __init__(self, key: str, incarnation: int) -> None:
         self._key = key
         self._incarnation = incarnation
-        self._regions: dict[MemoryDesc, LocalRegion] = {}
+        self._regions: dict[MemoryDesc, list[LocalRegion]] = {}
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._regions)
+        return self._count
 
     def register(self, backend: Backend, buffer: object, name: str, access: Access | None) -> MemoryDesc:
         view = as_region_view(buffer)
-        if name and any(r.desc.name == name for r in self._regions.values()):
+        if name and any(desc.name == name for desc in self._regions):
             raise InvalidArgument(f"a region named {name!r} is already registered")
         access = Access.all() if access is None else Access(access)
         mr = backend.register_memory(view, access)
         desc = MemoryDesc(self._key, self._incarnation, name, mr.addr, mr.length, mr.rkey, access)
-        self._regions[desc] = LocalRegion(desc, mr)
+        self._regions.setdefault(desc, []).append(LocalRegion(desc, mr))
+        self._count += 1
         return desc
 
     def lookup(self, desc: MemoryDesc) -> LocalRegion:
-        """The live registration ``desc`` describes, or ``InvalidArgument``."""
-        region = self._regions.get(desc)
-        if region is None:
+        """The live registration ``desc`` describes (of equal ones, the least pinned), or ``InvalidArgument``."""
+        regions = self._regions.get(desc)
+        if not regions:
             raise InvalidArgument(f"{desc.name or 'region'} is not a live registration of engine {self._key!r}")
-        return region
+        return regions[0] if len(regions) == 1 else min(regions, key=lambda r: r.pins)
 
     def deregister(self, region: LocalRegion, backend: Backend | None) -> None:
+        """Drop ``region``; a second call for the same one (a racing ``release_memory``) does nothing."""
+        if not region.live:
+            return
         region.live = False
-        del self._regions[region.desc]
+        regions = self._regions[region.desc]
+        regions.remove(region)
+        if not regions:
+            del self._regions[region.desc]
+        self._count -= 1
         if backend is not None:
             backend.deregister_memory(region.mr)
 
     def exported(self) -> list[MemoryDesc]:
         """The regions registered with a name: what peers learn at ``connect``."""
-        return [r.desc for r in self._regions.values() if r.desc.name]
+        return [desc for desc in self._regions if desc.name]
