@@ -15,7 +15,8 @@ their ratio is meaningful; absolute figures depend on the machine.
 ``--secret`` measures the same grid twice per round, once with engines that
 share a secret (``IOEngineConfig.secret``: the hello is authenticated) and
 once without (``secret=""``), alternating for ``--rounds`` rounds, and reports
-the median of each and their ratio. The raw baseline is skipped there.
+the median of each (with the range over the rounds) and their ratio. The raw
+baseline is skipped there.
 """
 
 from __future__ import annotations
@@ -167,6 +168,12 @@ async def measure_once(args: argparse.Namespace, secret: str) -> dict[tuple[int,
             assert engine.statistics()["authenticated"] == bool(secret)
             desc = engine.register_memory(local, name="kv")
             peer = await engine.connect(address)  # the hello: authenticated when there is a secret
+            hellos = []
+            for _ in range(HELLOS):  # what the secret costs: one more round trip and two HMACs per hello
+                start = time.perf_counter()
+                await engine.connect(address)
+                hellos.append(time.perf_counter() - start)
+            out[(0, 0, "hello_ms")] = statistics.median(hellos) * 1e3
             session = await engine.create_session(desc, peer.memory["kv"])
             await windowed(session, "read", 1 << 20, 8, 64 << 20, region)  # warm-up
             for block in args.blocks:
@@ -182,6 +189,10 @@ async def measure_once(args: argparse.Namespace, secret: str) -> dict[tuple[int,
     return out
 
 
+HELLOS = 20
+"""Hellos timed per run with ``--secret`` (each opens a link of its own)."""
+
+
 async def compare_secret(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Alternate runs without and with a shared secret; the median of each, and their ratio."""
     secret = secrets.token_urlsafe(32)
@@ -193,13 +204,20 @@ async def compare_secret(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for key in runs["none"][0]:
         block, depth, op = key
-        plain = statistics.median(run[key] for run in runs["none"])
-        authed = statistics.median(run[key] for run in runs["secret"])
+        plains = [run[key] for run in runs["none"]]
+        autheds = [run[key] for run in runs["secret"]]
+        plain, authed = statistics.median(plains), statistics.median(autheds)
         rows.append({"block": block, "in_flight": depth, "op": op, "no_secret_GBps": round(plain, 3),
-                     "secret_GBps": round(authed, 3), "ratio": round(authed / plain, 3)})  # fmt: skip
+                     "secret_GBps": round(authed, 3), "ratio": round(authed / plain, 3),
+                     "no_secret_runs": [round(x, 3) for x in plains],
+                     "secret_runs": [round(x, 3) for x in autheds]})  # fmt: skip
+        if op == "hello_ms":
+            print(f"hello (connect) median ms: no secret {plain:.2f}  secret {authed:.2f}", flush=True)
+            continue
         print(
-            f"{block >> 10:>6} KiB  in flight {depth:>3}  {op:<5}  no secret {plain:6.2f}  "
-            f"secret {authed:6.2f} GB/s  ({authed / plain:.1%})",
+            f"{block >> 10:>6} KiB  in flight {depth:>3}  {op:<5}  "
+            f"no secret {plain:5.2f} [{min(plains):.2f}-{max(plains):.2f}]  "
+            f"secret {authed:5.2f} [{min(autheds):.2f}-{max(autheds):.2f}] GB/s  ({authed / plain:.1%})",
             flush=True,
         )
     return rows
