@@ -7,10 +7,13 @@ link, carries this engine's own requests and notices. With a shared secret a
 key is bound only to links that proved it (``handshake``), so no one without
 the secret can take a peer's place, its notifications or its pairs.
 
-Incarnations are ordered (``descriptors.new_incarnation``): a hello from a
-newer incarnation of a known peer supersedes it (its earlier links and
-answering pairs are closed), an older one is refused. Peers whose links all
-closed are remembered up to ``max_peers``, least recently used dropped first.
+A hello from another incarnation of a known peer supersedes it (its earlier
+links and answering pairs are closed). With a secret, incarnations are
+ordered (``descriptors.new_incarnation``): only a newer one supersedes, an
+older one is refused. (Without a secret anybody may claim any incarnation, so
+ordering them would only let one hostile hello lock the real engine out.)
+Peers whose links all closed are remembered up to ``max_peers``, least
+recently used dropped first.
 """
 
 from __future__ import annotations
@@ -210,13 +213,14 @@ class PeerTable:
         self._guard.access_error(owner.key if owner is not None else "?", detail)
 
     def _known(self, desc: EngineDesc, *, from_peer: bool) -> _Peer:
-        """The peer ``desc`` names, learned or updated; ``StalePeer`` for an older incarnation ``from_peer``."""
+        """The peer ``desc`` names, learned or updated; ``StalePeer`` for an older incarnation that an
+        authenticated hello (``from_peer``) claims."""
         peer = self._peers.get(desc.key)
         if peer is not None and peer.desc.incarnation == desc.incarnation:
             self._peers.move_to_end(desc.key)
             return peer
         if peer is not None:
-            if from_peer and desc.incarnation < peer.desc.incarnation:
+            if from_peer and self._handshake.authenticates and desc.incarnation < peer.desc.incarnation:
                 raise StalePeer(
                     f"engine {desc.key!r} is known as incarnation {peer.desc.incarnation:#x}, newer than "
                     f"{desc.incarnation:#x}: an older incarnation cannot take its place"
