@@ -2,6 +2,7 @@
 
     python benchmarks/tcp_throughput.py                      # full grid
     python benchmarks/tcp_throughput.py --blocks 1M --depths 16 --json out.json
+    python benchmarks/tcp_throughput.py --secret --blocks 1M --depths 16   # with and without a shared secret
 
 For each block size and each number of transfers in flight, the initiator
 issues single-block ``read``s (then ``write``s) against a target process's
@@ -10,6 +11,13 @@ baseline moves the same bytes with ``sendall``/``recv_into`` between two
 processes over loopback with the same block size: the ceiling a TCP-carried
 one-sided transfer can reach on this machine. Both run in one invocation so
 their ratio is meaningful; absolute figures depend on the machine.
+
+``--secret`` measures the same grid twice per round, once with engines that
+share a secret (``IOEngineConfig.secret``: the hello is authenticated) and
+once without (``secret=""``), alternating for ``--rounds`` rounds, and reports
+the median of each (with the range over the rounds) and the median of the
+per-round ratios (each round's two runs are back to back, so slow changes in
+the machine's load cancel). The raw baseline is skipped there.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import collections
 import json
 import multiprocessing as mp
 import os
+import secrets
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -75,10 +85,10 @@ def raw_stream(total: int, block: int) -> float:
 # -- moriio_async ------------------------------------------------------------------------------
 
 
-def _target(size: int, backend: str, pipe: Any) -> None:
+def _target(size: int, backend: str, pipe: Any, secret: str | None = None) -> None:
     async def main() -> None:
         buf = np.ones(size, dtype=np.uint8)
-        async with IOEngine("bench-target", IOEngineConfig(backend=backend)) as engine:
+        async with IOEngine("bench-target", IOEngineConfig(backend=backend, secret=secret)) as engine:
             engine.register_memory(buf, name="kv")
             pipe.send(engine.address)
             await engine.recv_notification()
@@ -102,8 +112,7 @@ async def windowed(session: Session, op: str, block: int, depth: int, total: int
 
 
 async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
-    region = max(args.blocks) * max(args.depths)
-    region = min(max(region, 64 << 20), 1 << 30)
+    region = region_size(args)
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=_target, args=(region, args.backend, child))
     proc.start()
@@ -140,6 +149,84 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def region_size(args: argparse.Namespace) -> int:
+    region = max(args.blocks) * max(args.depths)
+    return int(min(max(region, 64 << 20), 1 << 30))
+
+
+async def measure_once(args: argparse.Namespace, secret: str) -> dict[tuple[int, int, str], float]:
+    """GB/s for every (block, depth, op) between two fresh processes whose engines use ``secret`` ("" = none)."""
+    region = region_size(args)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_target, args=(region, args.backend, child, secret))
+    proc.start()
+    out: dict[tuple[int, int, str], float] = {}
+    try:
+        address = parent.recv()
+        local = np.zeros(region, dtype=np.uint8)
+        config = IOEngineConfig(backend=args.backend, sq_depth=256, secret=secret)
+        async with IOEngine("bench", config) as engine:
+            assert engine.statistics()["authenticated"] == bool(secret)
+            desc = engine.register_memory(local, name="kv")
+            peer = await engine.connect(address)  # the hello: authenticated when there is a secret
+            hellos = []
+            for _ in range(HELLOS):  # what the secret costs: one more round trip and two HMACs per hello
+                start = time.perf_counter()
+                await engine.connect(address)
+                hellos.append(time.perf_counter() - start)
+            out[(0, 0, "hello_ms")] = statistics.median(hellos) * 1e3
+            session = await engine.create_session(desc, peer.memory["kv"])
+            await windowed(session, "read", 1 << 20, 8, 64 << 20, region)  # warm-up
+            for block in args.blocks:
+                total = max(args.total, block * 16)
+                for depth in args.depths:
+                    for op in ("read", "write"):
+                        out[(block, depth, op)] = await windowed(session, op, block, depth, total, region)
+            await engine.notify("bench-target", b"done")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return out
+
+
+HELLOS = 20
+"""Hellos timed per run with ``--secret`` (each opens a link of its own)."""
+
+
+async def compare_secret(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Alternate runs without and with a shared secret; the median of each, and their ratio."""
+    secret = secrets.token_urlsafe(32)
+    runs: dict[str, list[dict[tuple[int, int, str], float]]] = {"none": [], "secret": []}
+    for r in range(args.rounds):
+        for mode in ("none", "secret"):
+            runs[mode].append(await measure_once(args, secret if mode == "secret" else ""))
+            print(f"round {r + 1}/{args.rounds}: {mode} done", flush=True)
+    rows: list[dict[str, Any]] = []
+    for key in runs["none"][0]:
+        block, depth, op = key
+        plains = [run[key] for run in runs["none"]]
+        autheds = [run[key] for run in runs["secret"]]
+        plain, authed = statistics.median(plains), statistics.median(autheds)
+        # Each round's two runs are back to back: the median of their ratios cancels slow drift in load.
+        ratio = statistics.median(a / n for a, n in zip(autheds, plains, strict=True))
+        rows.append({"block": block, "in_flight": depth, "op": op, "no_secret_GBps": round(plain, 3),
+                     "secret_GBps": round(authed, 3), "ratio": round(ratio, 3),
+                     "no_secret_runs": [round(x, 3) for x in plains],
+                     "secret_runs": [round(x, 3) for x in autheds]})  # fmt: skip
+        if op == "hello_ms":
+            print(f"hello (connect) median ms: no secret {plain:.2f}  secret {authed:.2f}", flush=True)
+            continue
+        print(
+            f"{block >> 10:>6} KiB  in flight {depth:>3}  {op:<5}  "
+            f"no secret {plain:5.2f} [{min(plains):.2f}-{max(plains):.2f}]  "
+            f"secret {authed:5.2f} [{min(autheds):.2f}-{max(autheds):.2f}] GB/s  "
+            f"(secret/none, median of paired rounds: {ratio:.1%})",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", nargs="+", default=["64K", "256K", "1M", "4M", "16M"])
@@ -147,10 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--total", type=parse_size, default=parse_size("256M"), help="bytes per measurement")
     parser.add_argument("--backend", default="tcp")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--secret", action="store_true", help="compare engines with and without a shared secret")
+    parser.add_argument("--rounds", type=int, default=3, help="with --secret: alternating rounds (median of each)")
     args = parser.parse_args(argv)
     args.blocks = [parse_size(b) for b in args.blocks]
-    print(f"moriio_async {args.backend} backend vs raw socket loopback, python {sys.version.split()[0]}")
-    rows = asyncio.run(run_grid(args))
+    if args.secret:
+        print(f"moriio_async {args.backend} backend, with and without a shared secret, python {sys.version.split()[0]}")
+        rows = asyncio.run(compare_secret(args))
+    else:
+        print(f"moriio_async {args.backend} backend vs raw socket loopback, python {sys.version.split()[0]}")
+        rows = asyncio.run(run_grid(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

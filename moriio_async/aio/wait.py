@@ -75,8 +75,9 @@ async def waiting_for_transfer_complete(
     ``TransferTimeout`` per transfer still pending at the deadline; timed-out
     transfers go on, and their buffers stay pinned until they end. A
     transfer given twice counts once. With ``fail_fast`` the wait ends at the
-    first failure, listing the failures only; if it reaches its deadline
-    first, it lists the timed-out transfers too.
+    first failure, listing the failures only (those already in the completion
+    queue when it ends included); if it reaches its deadline first, it lists
+    the timed-out transfers too.
     """
     items = [transfers] if isinstance(transfers, Transfer) else list(dict.fromkeys(transfers))
     if not items:
@@ -102,9 +103,10 @@ async def waiting_for_transfer_complete(
             if timeout is None or timeout > 0:
                 await waiter.future
             ended_by_failure = fail_fast and bool(waiter.failed)
-            if waiter.pending and not ended_by_failure:
-                # The deadline: what the completion queues already hold is not a timeout. The
-                # drain runs the waiter's callback for each transfer it ends.
+            if waiter.pending:
+                # However the wait ended (the deadline, or a failure under fail_fast), what the completion
+                # queues already hold is reported as what it is, not as pending or timed out. The drain
+                # runs the waiter's callback for each transfer it ends.
                 for drainer in drainers:
                     drainer.drain()
         finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..aio.control import ControlLink, LinkHandler
@@ -193,6 +194,16 @@ class LinkRegistry:
             state.answering.discard(qp_num)
         close_quietly(qp)
 
+    def owner_of_answering(self, qp_num: int) -> EngineDesc | None:
+        """The engine that asked for answering pair ``qp_num`` (None if it is not one)."""
+        entry = self._answering.get(qp_num)
+        return entry[1] if entry is not None else None
+
+    def session_key_of_answering(self, qp_num: int) -> bytes | None:
+        """The session key of the link answering pair ``qp_num`` was asked for on (its data-plane tokens' root)."""
+        entry = self._answering.get(qp_num)
+        return self.session_key_of(entry[0]) if entry is not None else None
+
     def note_opened(self, link: ControlLink, qp_num: int) -> None:
         state = self._links.get(link)
         if state is not None:
@@ -219,6 +230,16 @@ class LinkRegistry:
             and not (s.answering or s.opened or s.connecting or link.busy)
             and now - link.last_activity >= (timeout if s.accepted else timeout / 2)
         ]
+
+    async def sweep(self, on_idle: Callable[[str, float], None]) -> None:
+        """Close idle links for good (a timer, not a task per link); ``on_idle(address, seconds)`` for each."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(self.limits.idle_timeout / 4, 5.0))
+            now = loop.time()
+            for link in self.idle(now):
+                on_idle(link.peer_address, now - link.last_activity)
+                link.close()
 
     def forget(self, link: ControlLink) -> EngineDesc | None:
         """``link`` closed: drop it and close its answering pairs; who had said hello on it."""

@@ -102,7 +102,9 @@ class PairBroker:
                 f"not {request.incarnation:#x}: it restarted"
             )
         lock = self._links.connect_lock(link)
-        if lock is None or not self._links.reserve_answering(link):
+        if lock is None:
+            raise ControlPlaneError("the link closed before its answering queue pair was opened")
+        if not self._links.reserve_answering(link):
             limit = self._links.limits.max_answering_per_link
             raise ControlPlaneError(f"at most {limit} answering queue pairs per link (max_answering_qps_per_link)")
         try:

@@ -7,10 +7,13 @@ link, carries this engine's own requests and notices. With a shared secret a
 key is bound only to links that proved it (``handshake``), so no one without
 the secret can take a peer's place, its notifications or its pairs.
 
-Incarnations are ordered (``descriptors.new_incarnation``): a hello from a
-newer incarnation of a known peer supersedes it (its earlier links and
-answering pairs are closed), an older one is refused. Peers whose links all
-closed are remembered up to ``max_peers``, least recently used dropped first.
+A hello from another incarnation of a known peer supersedes it (its earlier
+links and answering pairs are closed). With a secret, incarnations are
+ordered (``descriptors.new_incarnation``): only a newer one supersedes, an
+older one is refused. (Without a secret anybody may claim any incarnation, so
+ordering them would only let one hostile hello lock the real engine out.)
+Peers whose links all closed are remembered up to ``max_peers``, least
+recently used dropped first.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ class PeerTable:
         """Start the control-plane listener and the idle sweep; this engine's descriptor, with its port."""
         bound = await self._listener.start(host, port)
         self._local = EngineDesc(self.key, host, bound, self.incarnation, self._backend.name)
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._sweeper = asyncio.get_running_loop().create_task(self._links.sweep(self._guard.idle))
         return self._local
 
     @property
@@ -201,14 +204,23 @@ class PeerTable:
         peer = self._peers.get(key)
         return self._links.session_key_of(peer.link) if peer is not None and peer.link is not None else None
 
+    def access_error(self, qp_num: int, detail: str) -> None:
+        """A remote request on answering pair ``qp_num`` failed the bounds checks: count it against its peer.
+
+        For the data plane (on the loop: a NIC thread calls it with ``call_soon_threadsafe``).
+        """
+        owner = self._links.owner_of_answering(qp_num)
+        self._guard.access_error(owner.key if owner is not None else "?", detail)
+
     def _known(self, desc: EngineDesc, *, from_peer: bool) -> _Peer:
-        """The peer ``desc`` names, learned or updated; ``StalePeer`` for an older incarnation ``from_peer``."""
+        """The peer ``desc`` names, learned or updated; ``StalePeer`` for an older incarnation that an
+        authenticated hello (``from_peer``) claims."""
         peer = self._peers.get(desc.key)
         if peer is not None and peer.desc.incarnation == desc.incarnation:
             self._peers.move_to_end(desc.key)
             return peer
         if peer is not None:
-            if from_peer and desc.incarnation < peer.desc.incarnation:
+            if from_peer and self._handshake.authenticates and desc.incarnation < peer.desc.incarnation:
                 raise StalePeer(
                     f"engine {desc.key!r} is known as incarnation {peer.desc.incarnation:#x}, newer than "
                     f"{desc.incarnation:#x}: an older incarnation cannot take its place"
@@ -349,17 +361,6 @@ class PeerTable:
 
     def _exports(self) -> list[RegionRecord]:
         return [RegionRecord.of(d) for d in self._memory.exported()]
-
-    async def _sweep(self) -> None:
-        """Close links idle past ``link_idle_timeout`` that carry nothing (a timer, not a per-link task)."""
-        idle_timeout = self._links.limits.idle_timeout
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(min(idle_timeout / 4, 5.0))
-            now = loop.time()
-            for link in self._links.idle(now):
-                self._guard.idle(link.peer_address, now - link.last_activity)
-                link.close()
 
     # -- LinkHandler: what peers ask -------------------------------------------------------------
 

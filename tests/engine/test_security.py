@@ -176,25 +176,32 @@ async def test_impersonation_under_another_engines_key_changes_nothing(
     assert len(lines) == 1 and "impersonation" in lines[0] and "127.0.0.1" in lines[0], lines
 
 
-async def test_an_older_incarnation_is_refused_and_a_newer_one_supersedes(pair: Pair) -> None:
-    """Incarnations are ordered: a hello older than the one known for a key is refused ("stale"); a newer
-    one takes its place and closes the earlier incarnation's links."""
-    b = pair.b
-    links = b.statistics()["links"]
-    first = await hello(b.address, "x", incarnation=1000)
-    assert first.welcomed
-    older = await hello(b.address, "x", incarnation=999)
-    assert (older.last["op"], older.last["reason"]) == ("error", "stale")
-    assert await closed_by_peer(older.reader)
-    await older.close()
-    assert b.statistics()["links"] == links + 1
-    newer = await hello(b.address, "x", incarnation=1001)
-    assert newer.welcomed
-    assert await closed_by_peer(first.reader), "the superseded incarnation's link stayed open"
-    await until(lambda: b.statistics()["links"] == links + 1)
-    await first.close()
-    await newer.close()
-    await until(lambda: b.statistics()["links"] == links)
+@pytest.mark.parametrize("secret", [SECRET, b""], ids=["secret", "open"])
+async def test_with_a_secret_an_older_incarnation_is_refused_and_a_newer_one_supersedes(
+    backend: str, secret: bytes
+) -> None:
+    """With a secret, incarnations are ordered: a hello older than the one known for a key is refused
+    ("stale"); a newer one takes its place and closes the earlier incarnation's links. Without one, any
+    other incarnation takes its place (a hostile hello with a huge incarnation must not lock the real
+    engine out for good)."""
+    async with IOEngine("b", IOEngineConfig(backend=backend, secret=secret)) as b:
+        as_b = secret or None
+        first = await hello(b.address, "x", incarnation=1000, secret=as_b)
+        assert first.welcomed
+        older = await hello(b.address, "x", incarnation=999, secret=as_b)
+        if secret:
+            assert (older.last["op"], older.last["reason"]) == ("error", "stale")
+            assert await closed_by_peer(older.reader)
+            assert b.statistics()["links"] == 1
+            newer = await hello(b.address, "x", incarnation=1001, secret=as_b)
+        else:
+            newer = older  # it superseded the first
+        assert newer.welcomed
+        assert await closed_by_peer(first.reader), "the superseded incarnation's link stayed open"
+        await until(lambda: b.statistics()["links"] == 1)
+        for said in (first, older, newer):
+            await said.close()
+        await until(lambda: b.statistics()["links"] == 0)
 
 
 async def test_incarnations_grow_with_start_time() -> None:

@@ -36,14 +36,15 @@ class Target:
             self.proc.kill()
 
 
-async def start_target(backend: str) -> Target:
+async def start_target(backend: str, **env: str) -> Target:
+    """A target process; ``env`` adds to (or overrides) this process's environment."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         str(TARGET),
         backend,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(TARGET.parents[2])},
+        env={**os.environ, "PYTHONPATH": str(TARGET.parents[2]), **env},
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)

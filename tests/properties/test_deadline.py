@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 
 from moriio_async import TransferError, TransferFailed, WcStatus, waiting_for_transfer_complete
 
 from ..engine.conftest import make_pair
 from .conftest import needs_held_mock
-from .model import held_qp
-from .scenario import Scenario, run, scenarios
+from .model import NicStep, held_qp
+from .scenario import Scenario, Timed, run, scenarios
 
 pytestmark = needs_held_mock
 
@@ -45,6 +45,17 @@ async def test_deadline_is_kept_however_completions_are_scheduled(sc: Scenario) 
 
 
 @given(scenarios)
+@example(  # found by this property: a fail_fast wait ended by a failure did not drain a flush already queued
+    Scenario(
+        wrs=[1, 1],
+        first=[NicStep("fail", 1, WcStatus.REM_ACCESS_ERR)],
+        timed=[Timed(True, 0.0, NicStep("run", 1))],
+        fail_fast=True,
+        silent=False,
+        t_virtual=1.0,
+        t_real=0.03125,
+    )
+)
 async def test_error_lists_exactly_what_had_not_succeeded_at_the_deadline(sc: Scenario) -> None:
     """The TransferError lists exactly the transfers that had not succeeded when the wait ended: each
     in exactly one of .failed (with its real status) or .timed_out; a transfer that succeeded never
