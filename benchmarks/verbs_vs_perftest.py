@@ -41,6 +41,7 @@ from typing import Any
 
 UNITS = {"K": 1 << 10, "M": 1 << 20}
 MIB = 1 << 20
+PAGE = 4096
 # Iterations per size when --iters is not given: small, because under TCG emulation a 4 KiB
 # operation costs milliseconds (see tools/guest/PYVERBS_NOTES.md). Measured: the whole run takes
 # about 1.5 min of guest time (2.5 min with the boot).
@@ -110,13 +111,21 @@ def perftest(tool: str, size: int, iters: int, depth: int, args: argparse.Namesp
 # -- moriio_async --------------------------------------------------------------------------------
 
 
-def _target(region: int, device: str, pipe: Any) -> None:
+def page_aligned(size: int, fill: int = 0) -> Any:
+    """A numpy buffer starting on a page, as perftest's are. (A plain numpy array starts 16 bytes
+    into a page, so every 4 KiB block would straddle two pages and rxe would copy each in two pieces.)"""
     import numpy as np
 
+    raw = np.full(size + PAGE, fill, dtype=np.uint8)
+    skip = -raw.ctypes.data % PAGE
+    return raw[skip : skip + size]
+
+
+def _target(region: int, device: str, pipe: Any) -> None:
     from moriio_async import IOEngine, IOEngineConfig
 
     async def main() -> None:
-        buf = np.ones(region, dtype=np.uint8)
+        buf = page_aligned(region, 1)
         async with IOEngine("bench-target", IOEngineConfig(backend="verbs", device=device)) as engine:
             engine.register_memory(buf, name="kv")
             pipe.send(engine.address)
@@ -176,7 +185,6 @@ async def moriio(
     plan: list[tuple[int, int]], batch_plan: list[tuple[int, int, int]], depth: int, args: argparse.Namespace
 ) -> dict[tuple[str, int, str], Any]:
     """Single-op rows keyed ("single", size, op); batch rows keyed ("batch N", size, op)."""
-    import numpy as np
 
     from moriio_async import IOEngine, IOEngineConfig
 
@@ -190,7 +198,7 @@ async def moriio(
         if not parent.poll(args.step_timeout):
             raise RuntimeError("the target process did not start")
         address = parent.recv()
-        local = np.zeros(region, dtype=np.uint8)
+        local = page_aligned(region)
         config = IOEngineConfig(backend="verbs", device=args.device, sq_depth=256)
         async with IOEngine("bench", config) as engine:
             desc = engine.register_memory(local, name="kv")
