@@ -31,6 +31,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ from typing import Any
 
 UNITS = {"K": 1 << 10, "M": 1 << 20}
 MIB = 1 << 20
+PAGE = 4096
 # Iterations per size when --iters is not given: small, because under TCG emulation a 4 KiB
 # operation costs milliseconds (see tools/guest/PYVERBS_NOTES.md). Measured: the whole run takes
 # about 1.5 min of guest time (2.5 min with the boot).
@@ -109,13 +111,21 @@ def perftest(tool: str, size: int, iters: int, depth: int, args: argparse.Namesp
 # -- moriio_async --------------------------------------------------------------------------------
 
 
-def _target(region: int, device: str, pipe: Any) -> None:
+def page_aligned(size: int, fill: int = 0) -> Any:
+    """A numpy buffer starting on a page, as perftest's are. (A plain numpy array starts 16 bytes
+    into a page, so every 4 KiB block would straddle two pages and rxe would copy each in two pieces.)"""
     import numpy as np
 
+    raw = np.full(size + PAGE, fill, dtype=np.uint8)
+    skip = -raw.ctypes.data % PAGE
+    return raw[skip : skip + size]
+
+
+def _target(region: int, device: str, pipe: Any) -> None:
     from moriio_async import IOEngine, IOEngineConfig
 
     async def main() -> None:
-        buf = np.ones(region, dtype=np.uint8)
+        buf = page_aligned(region, 1)
         async with IOEngine("bench-target", IOEngineConfig(backend="verbs", device=device)) as engine:
             engine.register_memory(buf, name="kv")
             pipe.send(engine.address)
@@ -175,7 +185,6 @@ async def moriio(
     plan: list[tuple[int, int]], batch_plan: list[tuple[int, int, int]], depth: int, args: argparse.Namespace
 ) -> dict[tuple[str, int, str], Any]:
     """Single-op rows keyed ("single", size, op); batch rows keyed ("batch N", size, op)."""
-    import numpy as np
 
     from moriio_async import IOEngine, IOEngineConfig
 
@@ -189,7 +198,7 @@ async def moriio(
         if not parent.poll(args.step_timeout):
             raise RuntimeError("the target process did not start")
         address = parent.recv()
-        local = np.zeros(region, dtype=np.uint8)
+        local = page_aligned(region)
         config = IOEngineConfig(backend="verbs", device=args.device, sq_depth=256)
         async with IOEngine("bench", config) as engine:
             desc = engine.register_memory(local, name="kv")
@@ -248,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-blocks", type=int, help="blocks per batch measurement (default: DEFAULT_BATCH_BLOCKS)")
     parser.add_argument("--no-single", action="store_true", help="skip the single-op rows")
     parser.add_argument("--step-timeout", type=float, default=180.0, help="seconds allowed per measurement")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of perftest then moriio_async (medians too)")
     parser.add_argument("--json", help="default: $MORIIO_GUEST_OUT/verbs_vs_perftest.json")
     args = parser.parse_args(argv)
     if not os.environ.get("MORIIO_GUEST"):
@@ -260,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.device = os.environ.get("MORIIO_GUEST_DEVICE", "rxe0")
     args.ip = os.environ.get("MORIIO_GUEST_SELF_IP", "10.77.1.1")
     args.gid_index = roce_v2_ipv4_gid(args.device)
+    args.port = 18515  # perftest's TCP port: a new one per run
     sizes = [parse_size(s) for s in args.sizes]
     plan = [] if args.no_single else [(size, max(args.iters or DEFAULT_ITERS.get(size, 100), 5)) for size in sizes]
     batch_sizes = [parse_size(s) for s in args.batch_sizes]
@@ -276,13 +287,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     began = time.monotonic()
+    rounds = []
+    for n in range(args.repeat):
+        if args.repeat > 1:
+            print(f"verbs_vs_perftest: round {n + 1} of {args.repeat}", flush=True)
+        rows = one_round(args, plan, batch_plan, perf_plan)
+        print(table(rows), flush=True)
+        rounds.append(rows)
+    if args.repeat > 1:
+        print(f"verbs_vs_perftest: median of {args.repeat} rounds (perftest and moriio_async alternate)", flush=True)
+        print(table(median_rows(rounds)), flush=True)
+    print(f"verbs_vs_perftest: {time.monotonic() - began:.0f} s in the guest", flush=True)
+    out = args.json or os.path.join(os.environ.get("MORIIO_GUEST_OUT", "."), "verbs_vs_perftest.json")
+    with open(out, "w") as f:
+        json.dump({"device": args.device, "gid_index": args.gid_index, "rounds": rounds}, f, indent=1)
+    return 0 if all(r["ratio"] is not None for rows in rounds for r in rows) else 1
+
+
+def one_round(
+    args: argparse.Namespace,
+    plan: list[tuple[int, int]],
+    batch_plan: list[tuple[int, int, int]],
+    perf_plan: dict[int, int],
+) -> list[dict[str, Any]]:
+    """perftest for every size, then moriio_async for every shape: the rows of one table."""
     perf: dict[tuple[int, str], Any] = {}
-    port = 18515
     for size, iters in perf_plan.items():
         for op in ("write", "read"):
             t0 = time.monotonic()
-            perf[(size, op)] = r = perftest(f"ib_{op}_bw", size, iters, args.depth, args, port)
-            port += 1
+            perf[(size, op)] = r = perftest(f"ib_{op}_bw", size, iters, args.depth, args, args.port)
+            args.port += 1
             if "MiBps" in r:
                 print(
                     f"perftest     {op:<5} {label(size):>7}: {r['MiBps']:9.2f} MiB/s {r['ops_per_s']:9.1f} op/s"
@@ -316,12 +350,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "perftest_error": p.get("error"),
                 }
             )
-    print(table(rows), flush=True)
-    print(f"verbs_vs_perftest: {time.monotonic() - began:.0f} s in the guest", flush=True)
-    out = args.json or os.path.join(os.environ.get("MORIIO_GUEST_OUT", "."), "verbs_vs_perftest.json")
-    with open(out, "w") as f:
-        json.dump({"device": args.device, "gid_index": args.gid_index, "rows": rows}, f, indent=1)
-    return 0 if all(r["ratio"] is not None for r in rows) else 1
+    return rows
+
+
+def median_rows(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per row, the median of each figure over the rounds (the ratio is the median of the rounds' ratios)."""
+    out = []
+    for same in zip(*rounds, strict=True):
+        row = dict(same[0])
+        for key in ("perftest_MiBps", "moriio_MiBps", "perftest_ops", "moriio_ops", "ratio"):
+            values = [r[key] for r in same if r[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":

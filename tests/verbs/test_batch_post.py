@@ -15,6 +15,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend
+from moriio_async.errors import InvalidArgument
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkRequest
 
@@ -92,3 +93,27 @@ def test_a_long_chunk_lands_whole_and_one_signaled_completion_frees_every_slot(v
         assert dst_buf[i * block : (i + 1) * block] == src_buf[2 * i * block : (2 * i + 1) * block], i
     active.post_send([WorkRequest(9, Opcode.RDMA_WRITE, (Sge(src.addr, 8, src.lkey),), dst.addr, dst.rkey)])
     assert [w.wr_id for w in drain(cq, 1, 10)] == [9]
+
+
+def test_bad_shapes_are_refused_whole_before_anything_is_posted(verbs: Backend) -> None:
+    src_buf = bytearray(SIZE)
+    src = verbs.register_memory(memoryview(src_buf), Access.all())
+    cq = verbs.create_cq(64)
+    active, _passive = connect(verbs, cq)
+    one = (Sge(src.addr, 8, src.lkey),)
+    good = WorkRequest(1, Opcode.RDMA_WRITE, one, src.addr, src.rkey, False)
+    too_many = (Sge(src.addr, 8, src.lkey),) * (active.max_sge + 1)
+    for bad in (
+        WorkRequest(2, Opcode.RDMA_WRITE, (), src.addr, src.rkey),
+        WorkRequest(2, Opcode.RDMA_WRITE, too_many, src.addr, src.rkey),
+        WorkRequest(2, Opcode.RDMA_WRITE, (Sge(src.addr, 1 << 32, src.lkey),), src.addr, src.rkey),
+    ):
+        with pytest.raises(InvalidArgument):
+            active.post(WorkBatch.from_requests([good, bad]))
+    batch = WorkBatch.from_requests([good, WorkRequest(2, Opcode.RDMA_WRITE, one, src.addr, src.rkey)])
+    with pytest.raises(InvalidArgument, match="opcode"):
+        active.post(WorkBatch(1, batch.opcode | 1, batch.remote_addr, batch.rkey, batch.length, batch.signaled,
+                              batch.sge_start, batch.sge_addr, batch.sge_length, batch.sge_lkey))  # fmt: skip
+    assert drain(cq, 1, 0.5) == []  # nothing was posted
+    active.post(batch)
+    assert [w.wr_id for w in drain(cq, 1, 10)] == [2]
