@@ -36,6 +36,7 @@ from ..core.protocol import (
     Challenge,
     CloseQp,
     ConnectQp,
+    Done,
     Exports,
     Hello,
     ListMemory,
@@ -131,6 +132,11 @@ class ControlLink:
     def busy(self) -> bool:
         """Something is under way on the link: a request either way, or a notice waiting for room."""
         return bool(self._replies or self._tasks or self._in_notice)
+
+    @property
+    def backlog(self) -> int:
+        """Bytes written and not yet taken by the transport (a peer that stops reading makes it grow)."""
+        return 0 if self.closed else self._writer.transport.get_write_buffer_size()
 
     async def read_message(self, *, idle_ok: bool) -> Message | None:
         """One message, or None at a clean end of stream.
@@ -234,7 +240,7 @@ class ControlLink:
             self.close()
 
     async def _dispatch(self, message: Message) -> None:
-        if isinstance(message, CloseQp | Notify):
+        if isinstance(message, CloseQp | Notify | Done):
             self._in_notice = True
             try:
                 await self._handler.on_notice(self, message)
