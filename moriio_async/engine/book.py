@@ -27,12 +27,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..aio.control import ControlLink
-from ..descriptors import EngineDesc
+from ..descriptors import EngineDesc, MemoryDesc
 from ..errors import StalePeer
 from .inbound import InboundStatuses
 from .links import LinkRegistry
 
-__all__ = ["Peer", "PeerBook"]
+__all__ = ["Peer", "PeerBook", "PeerInfo", "PeerStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What ``connect`` learned: the peer engine and the memory it exports by name."""
+
+    engine: EngineDesc
+    memory: dict[str, MemoryDesc]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatistics:
+    peers: int
+    """Peer engines known (not pruned yet)."""
+    links: int
+    """Open control links, handshakes in progress included."""
+    answering_qps: int
+    """Queue pairs this engine opened for peers' sessions."""
+    opened_qps: int
+    """Queue pairs this engine's sessions opened towards peers."""
 
 
 @dataclass(eq=False, slots=True)

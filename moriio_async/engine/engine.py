@@ -28,8 +28,9 @@ from ..backends.base import Backend, CompletionQueue
 from ..core.auth import SECRET_ENV
 from ..core.protocol import MAX_KEY
 from ..descriptors import EngineDesc, MemoryDesc, new_incarnation
-from ..errors import EngineClosed, InvalidArgument, MemoryInUse
+from ..errors import EngineClosed, InvalidArgument
 from ..status import Access, StatusCode
+from .book import PeerInfo
 from .config import IOEngineConfig
 from .guard import Guard
 from .handshake import Handshake
@@ -37,7 +38,7 @@ from .inbound import InboundStatuses
 from .inbox import Inbox, Notification
 from .links import LinkLimits
 from .memory import LocalRegion, MemoryRegistry
-from .peers import PeerInfo, PeerTable
+from .peers import PeerTable
 from .session import Session
 from .uids import TransferUids, check_uid
 
@@ -238,13 +239,7 @@ class IOEngine:
 
     def deregister_memory(self, desc: MemoryDesc) -> None:
         """Deregister now; ``MemoryInUse`` if transfers on it are in flight (see ``release_memory``)."""
-        region = self._memory.lookup(desc)
-        if region.pins:
-            raise MemoryInUse(
-                f"{region.pins} transfer(s) still use region {desc.name or hex(desc.addr)}",
-                hint="await engine.release_memory(desc) to deregister once they end, or abort their sessions first",
-            )
-        self._memory.deregister(region, self._backend)
+        self._memory.deregister_unused(desc, self._backend)
 
     async def release_memory(self, desc: MemoryDesc, timeout: float | None = None) -> None:
         """Deregister once no transfer uses the region (``TimeoutError`` leaves it registered)."""
@@ -313,12 +308,7 @@ class IOEngine:
     def announce_transfer(self, peer_key: str, uid: int, code: StatusCode = StatusCode.SUCCESS) -> None:
         """Send peer ``peer_key`` the ``done`` notice a transfer with ``uid`` sends when it ends, without
         a transfer: for work the caller split over several transfers, or an empty batch. No wait."""
-        if code is not StatusCode.SUCCESS and code <= 10:
-            raise InvalidArgument(f"{code!r} is not how a transfer ends")
-        peers = self._require_open().peers
-        peer = peers.known_desc(peer_key)
-        if peer is not None:
-            peers.post_done(peer_key, peer.incarnation, check_uid(uid), code)
+        self._require_open().peers.announce(peer_key, check_uid(uid), StatusCode(code))
 
     def pop_inbound_transfer_status(self, peer_key: str, uid: int) -> StatusCode | None:
         """Target side: the code peer ``peer_key``'s transfer ``uid`` ended with, once it ended at the

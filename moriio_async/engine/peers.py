@@ -8,9 +8,8 @@ notices. With a shared secret a key is bound only to links that proved it
 notifications, its statuses or its pairs.
 
 A transfer given a uid announces its end to its target with a ``done``
-notice (``post_done``); the target files it (``inbound``). Done notices are
-written without waiting for the transport; to a peer that stops reading, they
-are dropped (counted) once its link holds ``DONE_BACKLOG`` bytes unsent.
+notice (``post_done``, never waiting: see ``DONE_BACKLOG``); the target files
+it (``inbound``).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
 
 from ..aio.control import ControlLink
 from ..aio.listener import Listener
@@ -42,7 +40,7 @@ from ..core.protocol import (
 from ..descriptors import EngineDesc, MemoryDesc
 from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, StalePeer
 from ..status import StatusCode
-from .book import Peer, PeerBook
+from .book import Peer, PeerBook, PeerInfo, PeerStatistics
 from .guard import Guard
 from .handshake import Handshake, HelloRefused
 from .inbound import InboundStatuses
@@ -51,32 +49,13 @@ from .links import LinkLimits, LinkRegistry
 from .memory import MemoryRegistry
 from .pairs import PairBroker
 
-__all__ = ["DONE_BACKLOG", "PeerInfo", "PeerStatistics", "PeerTable"]
+__all__ = ["DONE_BACKLOG", "PeerTable"]
 
 log = logging.getLogger("moriio_async")
 
 DONE_BACKLOG = 1 << 20
-"""Bytes a link may hold unsent before ``done`` notices to its peer are dropped instead of queued."""
-
-
-@dataclass(frozen=True, slots=True)
-class PeerInfo:
-    """What ``connect`` learned: the peer engine and the memory it exports by name."""
-
-    engine: EngineDesc
-    memory: dict[str, MemoryDesc]
-
-
-@dataclass(frozen=True, slots=True)
-class PeerStatistics:
-    peers: int
-    """Peer engines known (not pruned yet)."""
-    links: int
-    """Open control links, handshakes in progress included."""
-    answering_qps: int
-    """Queue pairs this engine opened for peers' sessions."""
-    opened_qps: int
-    """Queue pairs this engine's sessions opened towards peers."""
+"""Bytes a link may hold unsent before ``done`` notices to its peer are dropped (counted) instead of queued:
+a peer that stops reading cannot make this engine buffer them without bound."""
 
 
 class PeerTable:
@@ -203,10 +182,13 @@ class PeerTable:
         if peer is not None and peer.desc.incarnation == opened.incarnation and peer.link is not None:
             peer.link.post(CloseQp(qp=opened.remote_qp))
 
-    def known_desc(self, key: str) -> EngineDesc | None:
-        """Peer ``key`` as known now (None if it is not)."""
+    def announce(self, key: str, uid: int, code: StatusCode) -> None:
+        """``post_done`` to peer ``key`` at its current incarnation, for work that was no single transfer."""
+        if code is not StatusCode.SUCCESS and code <= 10:
+            raise InvalidArgument(f"{code!r} is not how a transfer ends")
         peer = self._peers.get(key)
-        return peer.desc if peer is not None else None
+        if peer is not None:
+            self.post_done(key, peer.desc.incarnation, uid, code)
 
     def usable(self, qp: QueuePair) -> bool:
         """A pair ``open_qp`` gave is still open at both ends as far as the control plane knows."""
