@@ -110,6 +110,8 @@ class ControlLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._read_task: asyncio.Task[None] | None = None
         self._in_notice = False
+        self._later: list[bytes] = []
+        """Encoded notices ``post_soon`` queued for one write at the end of this loop iteration."""
         self._settling: asyncio.Task[None] | None = None
         self.closed = False
         self.last_activity = asyncio.get_running_loop().time()
@@ -135,8 +137,11 @@ class ControlLink:
 
     @property
     def backlog(self) -> int:
-        """Bytes written and not yet taken by the transport (a peer that stops reading makes it grow)."""
-        return 0 if self.closed else self._writer.transport.get_write_buffer_size()
+        """Bytes written and not yet taken by the transport, or queued by ``post_soon`` (a peer that stops
+        reading makes it grow)."""
+        if self.closed:
+            return 0
+        return self._writer.transport.get_write_buffer_size() + sum(len(b) for b in self._later)
 
     async def read_message(self, *, idle_ok: bool) -> Message | None:
         """One message, or None at a clean end of stream.
@@ -177,11 +182,34 @@ class ControlLink:
             return False
         return True
 
-    def _write(self, message: Message) -> None:
+    def post_soon(self, notice: Notice) -> bool:
+        """Like ``post``, but written together with the other notices posted in this loop iteration: one
+        write (one send) for a burst. Anything written on the link meanwhile goes after them, so the
+        order of messages is kept. False if the link is gone."""
         if self.closed or self._writer.is_closing():
+            return False
+        if not self._later:
+            asyncio.get_running_loop().call_soon(self._write_later)
+        self._later.append(encode(notice, self.max_frame))
+        return True
+
+    def _write_later(self) -> None:
+        if self._later:
+            with contextlib.suppress(ControlPlaneError):
+                self._write_raw(b"")
+
+    def _write(self, message: Message) -> None:
+        self._write_raw(encode(message, self.max_frame))
+
+    def _write_raw(self, data: bytes) -> None:
+        if self.closed or self._writer.is_closing():
+            self._later.clear()
             raise ControlPlaneError(f"control link to {self.peer_address} is closed")
+        if self._later:  # notices posted earlier go first
+            data = b"".join(self._later) + data
+            self._later.clear()
         try:
-            self._writer.write(encode(message, self.max_frame))
+            self._writer.write(data)
             self.last_activity = asyncio.get_running_loop().time()
         except RuntimeError as exc:  # uvloop: the transport closed under us
             self.close()

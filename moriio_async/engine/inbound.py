@@ -70,10 +70,13 @@ class InboundStatuses:
                 return True
             old, _ = entries.popitem(last=False)
             self.dropped += 1
-        log.warning(
-            "inbound status of %s uid %d dropped unpopped: %d newer ones are kept (max_inbound_statuses)",
-            peer, old, self.max_per_peer,
-        )  # fmt: skip
+            dropped = self.dropped
+        if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th... drop: a target that never pops logs little
+            log.warning(
+                "inbound status of %s uid %d dropped unpopped (%d dropped so far): at most %d are kept per "
+                "initiator (max_inbound_statuses); pop_inbound_transfer_status takes them",
+                peer, old, dropped, self.max_per_peer,
+            )  # fmt: skip
         return True
 
     def pop(self, peer: str, uid: int) -> StatusCode | None:

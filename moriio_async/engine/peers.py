@@ -198,7 +198,7 @@ class PeerTable:
         """Tell peer ``key`` (still at ``incarnation``) that transfer ``uid`` ended with ``code``; no wait."""
         peer = self._peers.get(key)
         link = peer.link if peer is not None and peer.desc.incarnation == incarnation else None
-        if link is None or link.backlog > DONE_BACKLOG or not link.post(Done(uid=uid, code=int(code))):
+        if link is None or link.backlog > DONE_BACKLOG or not link.post_soon(Done(uid=uid, code=int(code))):
             self.dropped_done += 1
             log.debug("done notice of transfer uid %d not sent to %s (no open link, or it is backed up)", uid, key)
 

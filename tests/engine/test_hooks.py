@@ -203,3 +203,11 @@ async def test_deregister_remote_engine_leaves_transfers_in_flight_alone(held: P
     a.deregister_remote_engine(b.get_engine_desc())
     await a.connect(b.address)  # connect() names it again too
     await a.notify("b", b"back")
+
+
+async def test_the_done_notice_goes_before_a_notification_sent_after_the_transfer(pair: Pair) -> None:
+    for uid in range(20):
+        await pair.session.write(0, 0, 64, uid=uid)
+        await pair.a.notify("b", b"written")  # the application's own message, once the transfer ended
+        assert (await pair.b.recv_notification(timeout=5)).data == b"written"
+        assert pair.b.pop_inbound_transfer_status("a", uid) is StatusCode.SUCCESS  # already there, no wait
