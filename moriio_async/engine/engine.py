@@ -205,6 +205,7 @@ class IOEngine:
         if running is not None:
             await running.stop()
         self._inbox.close()
+        self._inbound.fail_waiters(EngineClosed(f"engine {self.key!r} closed: no more inbound statuses"))
         if backend is not None:
             await asyncio.get_running_loop().run_in_executor(None, backend.close)
 
@@ -301,8 +302,7 @@ class IOEngine:
             raise
 
     def allocate_transfer_uid(self) -> int:
-        """A uid for the next transfer call's ``uid=``, unique among this engine's transfers in flight.
-        Safe from any thread."""
+        """A uid for a transfer call's ``uid=``, unique among this engine's transfers in flight (any thread)."""
         return self._uids.allocate()
 
     def announce_transfer(self, peer_key: str, uid: int, code: StatusCode = StatusCode.SUCCESS) -> None:

@@ -106,6 +106,13 @@ class InboundStatuses:
             if self._waiters.get(key) is fut:
                 del self._waiters[key]
 
+    def fail_waiters(self, error: BaseException) -> None:
+        """End every ``wait`` with ``error`` (the engine closes: no notice will come)."""
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_exception(error)
+
     def forget(self, peer: str) -> None:
         """Drop ``peer``'s entries (it restarted: its uids start afresh)."""
         with self._lock:

@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from moriio_async import InvalidArgument, IOEngine, IOEngineConfig, StatusCode, TransferFailed, WcStatus
+from moriio_async import EngineClosed, InvalidArgument, IOEngine, IOEngineConfig, StatusCode, TransferFailed, WcStatus
 from moriio_async.engine.inbound import InboundStatuses
 from moriio_async.engine.uids import TransferUids
 
+from . import wire
 from .conftest import Pair, make_pair
 
 
@@ -211,3 +212,38 @@ async def test_the_done_notice_goes_before_a_notification_sent_after_the_transfe
         await pair.a.notify("b", b"written")  # the application's own message, once the transfer ended
         assert (await pair.b.recv_notification(timeout=5)).data == b"written"
         assert pair.b.pop_inbound_transfer_status("a", uid) is StatusCode.SUCCESS  # already there, no wait
+
+
+async def test_done_frames_from_a_hand_made_peer(backend: str) -> None:
+    async with IOEngine("b", IOEngineConfig(backend=backend)) as b:
+        peer = await wire.hello(b.address, "rogue", backend=backend)
+        assert peer.welcomed
+        await peer.send(
+            {"op": "done", "uid": 6, "code": 2},  # IN_PROGRESS is no way to end: not filed
+            {"op": "done", "uid": 5, "code": 0},
+            {"op": "notify", "data": wire.b64(b"after")},
+        )
+        assert (await b.recv_notification(timeout=5)).data == b"after"
+        assert b.pop_inbound_transfer_status("rogue", 5) is StatusCode.SUCCESS
+        assert b.pop_inbound_transfer_status("rogue", 6) is None
+        await peer.close()
+
+
+async def test_a_deregistered_peer_stays_forgotten_when_a_new_incarnation_says_hello(backend: str) -> None:
+    async with IOEngine("b", IOEngineConfig(backend=backend)) as b:
+        first = await wire.hello(b.address, "x", incarnation=1, backend=backend)
+        b.deregister_remote_engine("x")
+        second = await wire.hello(b.address, "x", incarnation=2, backend=backend)  # x restarted and dialed b
+        assert second.welcomed
+        with pytest.raises(InvalidArgument, match="deregistered"):
+            await b.notify("x", b"no")
+        for client in (first, second):
+            await client.close()
+
+
+async def test_closing_the_engine_ends_a_wait_for_an_inbound_status(pair: Pair) -> None:
+    waiting = asyncio.ensure_future(pair.b.wait_inbound_transfer_status("a", 1))
+    await asyncio.sleep(0)
+    await pair.b.close()
+    with pytest.raises(EngineClosed):
+        await waiting
