@@ -121,3 +121,20 @@ def test_deregister_remote_engine_lets_engine_level_transfers_in_flight_end() ->
     finally:
         a.close()
         b.close()
+
+
+def test_a_transfer_made_before_deregister_remote_engine_still_runs() -> None:
+    """Even when its engine-level session is still being opened when the peer is deregistered."""
+    a, b = make_pair("dereg-open", "tcp")
+    try:
+        x, mx = register(a, 1 << 20)
+        y, my = register(b, 1 << 20, fill=0)
+        st = a.write(mx, 0, my, 0, 1 << 20, 8)  # accepted; its session opens on the loop
+        a.deregister_remote_engine(b.get_engine_desc())
+        assert st.WaitFor(30_000) is StatusCode.SUCCESS, st.Message()
+        assert np.array_equal(x, y)
+        assert a.create_session(mx, my) is None  # and afterwards the peer is forgotten
+        assert a.write(mx, 0, my, 0, 8, 9).Code() is StatusCode.ERR_BAD_STATE
+    finally:
+        a.close()
+        b.close()

@@ -251,22 +251,44 @@ class EngineRuntime:
         self.loop.call(self.aio.register_remote_engine, desc.inner)
 
     def deregister_remote_engine(self, desc: EngineDesc) -> None:
-        """Forget ``desc``'s engine; transfers in flight to it end as they would (see ``_drop_pair``)."""
+        """Forget ``desc``'s engine; transfers already accepted end as they would (see ``_drop_pair``)."""
         with self._lock:
             self.remotes.pop(desc.key, None)
 
         def drop() -> None:
-            with contextlib.suppress(MoriioError):  # a closed engine has nothing to forget
-                self.aio.deregister_remote_engine(desc.key)
+            opening = []
             for key in [k for k in self.pairs if k[1] == desc.key]:
+                if not self.pairs[key].task.done():
+                    opening.append(self.pairs[key].task)
                 self._drop_pair(key)
+            if opening:  # calls made before this one still open their session: forget the peer after them
+                self._spawn(self._forget_after(desc.key, opening))
+            else:
+                self._forget(desc.key)
 
         if self.loop.running:
             self.loop.call(drop)
 
-    async def open_session(self, local: MemoryDesc, remote: MemoryDesc, owner: object = None) -> IOEngineSession | None:
-        """A striped session, or None where MoRI-IO has none (no backend, remote engine not registered)."""
-        if self.problem(remote.engine_key) is not None:
+    async def _forget_after(self, key: str, opening: list[asyncio.Task[IOEngineSession | None]]) -> None:
+        await asyncio.wait(opening)
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            if key in self.remotes:
+                return  # registered again meanwhile
+        with contextlib.suppress(MoriioError):  # a closed engine has nothing to forget
+            self.aio.deregister_remote_engine(key)
+
+    async def open_session(
+        self, local: MemoryDesc, remote: MemoryDesc, owner: object = None, *, accepted: bool = False
+    ) -> IOEngineSession | None:
+        """A striped session, or None where MoRI-IO has none (no backend, remote engine not registered).
+
+        ``accepted``: for transfer calls that were checked when made; a deregistration since then does not
+        stop them (in MoRI-IO the call builds its connection before it returns).
+        """
+        if self.problem(None if accepted else remote.engine_key) is not None:
             return None
         region = self.locals.get(local.id)
         if region is None or region.desc != local:
@@ -303,7 +325,7 @@ class EngineRuntime:
             self._drop_pair(key)
             pair = None
         if pair is None:
-            pair = self.pairs[key] = Pair(self.loop.loop.create_task(self.open_session(local, remote)))
+            pair = self.pairs[key] = Pair(self.loop.loop.create_task(self.open_session(local, remote, accepted=True)))
         pair.waiting.append(then)
 
     def _drop_pair(self, key: tuple[int, str, int, int]) -> None:
