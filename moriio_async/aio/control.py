@@ -112,6 +112,7 @@ class ControlLink:
         self._in_notice = False
         self._later: list[bytes] = []
         """Encoded notices ``post_soon`` queued for one write at the end of this loop iteration."""
+        self._later_bytes = 0
         self._settling: asyncio.Task[None] | None = None
         self.closed = False
         self.last_activity = asyncio.get_running_loop().time()
@@ -141,7 +142,7 @@ class ControlLink:
         reading makes it grow)."""
         if self.closed:
             return 0
-        return self._writer.transport.get_write_buffer_size() + sum(len(b) for b in self._later)
+        return self._writer.transport.get_write_buffer_size() + self._later_bytes
 
     async def read_message(self, *, idle_ok: bool) -> Message | None:
         """One message, or None at a clean end of stream.
@@ -190,7 +191,9 @@ class ControlLink:
             return False
         if not self._later:
             asyncio.get_running_loop().call_soon(self._write_later)
-        self._later.append(encode(notice, self.max_frame))
+        data = encode(notice, self.max_frame)
+        self._later.append(data)
+        self._later_bytes += len(data)
         return True
 
     def _write_later(self) -> None:
@@ -204,10 +207,12 @@ class ControlLink:
     def _write_raw(self, data: bytes) -> None:
         if self.closed or self._writer.is_closing():
             self._later.clear()
+            self._later_bytes = 0
             raise ControlPlaneError(f"control link to {self.peer_address} is closed")
         if self._later:  # notices posted earlier go first
             data = b"".join(self._later) + data
             self._later.clear()
+            self._later_bytes = 0
         try:
             self._writer.write(data)
             self.last_activity = asyncio.get_running_loop().time()

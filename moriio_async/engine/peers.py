@@ -83,7 +83,7 @@ class PeerTable:
         self._inbox = inbox
         self._handshake = handshake
         self._guard = guard
-        self.inbound = inbound
+        self._inbound = inbound
         self._links = LinkRegistry(limits)
         self._pairs = PairBroker(key, incarnation, backend=backend, cq=cq, links=self._links)
         self._peers = PeerBook(
@@ -353,7 +353,7 @@ class PeerTable:
         if isinstance(notice, Notify):
             await self._inbox.put(Notification(peer.desc.key, notice.data))  # waits while the inbox is full
         elif isinstance(notice, Done):
-            if not self.inbound.record(peer.desc.key, notice.uid, notice.code):
+            if not self._inbound.record(peer.desc.key, notice.uid, notice.code):
                 self._guard.dropped_notice(link.peer_host, link.peer_address, "Done", f"code {notice.code}")
         else:
             self._links.close_answering(link, notice.qp)

@@ -247,3 +247,16 @@ async def test_closing_the_engine_ends_a_wait_for_an_inbound_status(pair: Pair) 
     await pair.b.close()
     with pytest.raises(EngineClosed):
         await waiting
+
+
+async def test_done_notices_to_a_peer_that_stops_reading_are_dropped_not_buffered(backend: str) -> None:
+    async with IOEngine("b", IOEngineConfig(backend=backend)) as b:
+        peer = await wire.hello(b.address, "deaf", backend=backend)  # says hello, then never reads again
+        for uid in range(400_000):  # ~16 MB of notices: more than the socket buffers and DONE_BACKLOG
+            b.announce_transfer("deaf", uid)
+            if uid % 1000 == 999:
+                await asyncio.sleep(0)  # let each burst be written
+                if b.statistics()["done_dropped"]:
+                    break
+        assert b.statistics()["done_dropped"] > 0
+        await peer.close()
