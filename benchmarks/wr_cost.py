@@ -4,6 +4,7 @@
     python benchmarks/wr_cost.py --backends mock --sizes 4K --blocks 1024 --profile
     python benchmarks/wr_cost.py --json out.json
     python benchmarks/wr_cost.py --backends mock --procs 1 --sizes 4K --blocks 1 --uids   # uid vs none
+    python benchmarks/wr_cost.py --against /tmp/base-tree --rounds 8      # single-op row: this tree vs another
 
 Each row issues ``batch_write``s (then ``batch_read``s) of N non-contiguous
 blocks (gaps on both sides, so nothing merges and every block is its own work
@@ -13,7 +14,10 @@ rows), and wall time. Two batches stay in flight. The single-op row keeps 64
 one-block ``write``s in flight, as a serving loop does, and reports ops/s;
 with ``--uids`` it runs again with a fresh transfer uid per write (each one
 then sends its target a ``done`` notice), alternating rounds with the plain
-row, and prints the ratio of the two.
+row, and prints the ratio of the two. ``--against TREE`` runs the single-op
+row (mock, one process) in child processes alternating between that source
+tree (e.g. a ``git archive`` of an earlier commit) and this one, and prints
+the median ratio of CPU per write (this tree / that one).
 
 ``--profile`` runs the mock row under cProfile and splits its CPU time by
 layer (core, aio, engine, each backend, numpy, the event loop). Figures are
@@ -30,7 +34,10 @@ import json
 import multiprocessing as mp
 import os
 import pstats
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -213,8 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wrs", type=int, default=16384, help="work requests per row (about)")
     ap.add_argument("--profile", action="store_true", help="cProfile the rows and split CPU by layer")
     ap.add_argument("--uids", action="store_true", help="single-op rows also with a transfer uid per write")
+    ap.add_argument("--against", help="a source tree to compare the single-op row with (before/after)")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds per tree with --against")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
+    if args.against:
+        return compare_trees(args.against, args.rounds, args.wrs)
     rows: list[dict[str, Any]] = []
     for backend in args.backends.split(","):
         for procs in (int(p) for p in args.procs.split(",")):
@@ -231,6 +242,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return 0
+
+
+def compare_trees(other: str, rounds: int, wrs: int) -> int:
+    """The single-op row in child processes, alternating ``other``'s package and this one's (each round's
+    ratio pairs the two runs next to each other)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cpu: dict[str, list[float]] = {other: [], here: []}
+    argv = ["--backends", "mock", "--procs", "1", "--sizes", "4K", "--blocks", "1", "--wrs", str(wrs)]
+    for i in range(rounds):
+        for tree in (other, here) if i % 2 == 0 else (here, other):  # ABBA: neither always runs first
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                env = {**os.environ, "PYTHONPATH": tree}
+                subprocess.run([sys.executable, __file__, *argv, "--json", out.name], env=env, check=True,
+                               stdout=subprocess.DEVNULL)  # fmt: skip
+                with open(out.name) as f:
+                    cpu[tree].append(json.load(f)[0]["cpu_us_per_wr"])
+    ratios = [h / o for h, o in zip(cpu[here], cpu[other], strict=True)]
+    for tree, values in cpu.items():
+        print(f"{tree}: cpu us/wr {' '.join(f'{v:.1f}' for v in values)}  median {statistics.median(values):.2f}")
+    per_round = " ".join(f"{r:.3f}" for r in ratios)
+    print(f"this tree / {other}, per round: {per_round}  median {statistics.median(ratios):.3f}")
     return 0
 
 
