@@ -17,7 +17,7 @@ flight end as they would (and still announce their end), and the peer's own
 links, requests and notices are served as before (MoRI-IO's
 ``DeregisterRemoteEngine`` likewise only forgets the address book entry).
 Peers whose links all closed are remembered up to ``max_peers``, least
-recently used dropped first.
+recently used dropped first, with the statuses they announced.
 """
 
 from __future__ import annotations
@@ -145,4 +145,5 @@ class PeerBook:
                 break
             if key != keep and key not in busy:
                 del self._peers[key]
+                self._inbound.forget(key)  # so statuses are bounded by max_peers x max_inbound_statuses
                 excess -= 1

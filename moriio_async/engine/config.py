@@ -72,7 +72,8 @@ class IOEngineConfig:
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
     max_inbound_statuses: int = 4096
     """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
-    oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``)."""
+    oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
+    with it, so at most ``max_peers`` times this many are kept."""
 
     def __post_init__(self) -> None:
         for name in ("transfer_timeout", "control_timeout", "retry_timeout", "abort_timeout", "link_idle_timeout"):

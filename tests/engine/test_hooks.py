@@ -260,3 +260,17 @@ async def test_done_notices_to_a_peer_that_stops_reading_are_dropped_not_buffere
                     break
         assert b.statistics()["done_dropped"] > 0
         await peer.close()
+
+
+async def test_statuses_of_pruned_peers_go_with_them(backend: str) -> None:
+    """Without a secret anyone may say hello under any key: what they file is bounded by max_peers too."""
+    async with IOEngine("b", IOEngineConfig(backend=backend, max_peers=2, max_inbound_statuses=2)) as b:
+        for i in range(5):
+            peer = await wire.hello(b.address, f"p{i}", backend=backend)
+            await peer.send(*({"op": "done", "uid": u, "code": 0} for u in range(4)))
+            await peer.send({"op": "notify", "data": wire.b64(b"sync")})
+            assert (await b.recv_notification(timeout=5)).data == b"sync"
+            await peer.close()
+        await wire.until(lambda: b.statistics()["peers"] <= 2)
+        assert b.statistics()["inbound_statuses"] <= 2 * 2
+        assert b.pop_inbound_transfer_status("p4", 3) is StatusCode.SUCCESS  # the latest peer's are kept
