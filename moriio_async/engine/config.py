@@ -70,6 +70,10 @@ class IOEngineConfig:
     """Bytes of notification data queued, with the same backpressure."""
     max_answering_qps_per_link: int = 256
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
+    max_inbound_statuses: int = 4096
+    """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
+    oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
+    with it, so at most ``max_peers`` times this many are kept."""
 
     def __post_init__(self) -> None:
         for name in ("transfer_timeout", "control_timeout", "retry_timeout", "abort_timeout", "link_idle_timeout"):
@@ -87,6 +91,7 @@ class IOEngineConfig:
             "max_notifications",
             "max_notification_bytes",
             "max_answering_qps_per_link",
+            "max_inbound_statuses",
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be >= 1")

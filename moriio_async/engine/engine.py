@@ -28,16 +28,19 @@ from ..backends.base import Backend, CompletionQueue
 from ..core.auth import SECRET_ENV
 from ..core.protocol import MAX_KEY
 from ..descriptors import EngineDesc, MemoryDesc, new_incarnation
-from ..errors import EngineClosed, InvalidArgument, MemoryInUse
-from ..status import Access
+from ..errors import EngineClosed, InvalidArgument
+from ..status import Access, StatusCode
+from .book import PeerInfo
 from .config import IOEngineConfig
 from .guard import Guard
 from .handshake import Handshake
+from .inbound import InboundStatuses
 from .inbox import Inbox, Notification
 from .links import LinkLimits
 from .memory import LocalRegion, MemoryRegistry
-from .peers import PeerInfo, PeerTable
+from .peers import PeerTable
 from .session import Session
+from .uids import TransferUids, check_uid
 
 __all__ = ["IOEngine"]
 
@@ -93,6 +96,8 @@ class IOEngine:
         self._memory = MemoryRegistry(key, self.incarnation)
         self._sessions: set[Session] = set()
         self._inbox = self._new_inbox()
+        self._inbound = InboundStatuses(self.config.max_inbound_statuses)
+        self._uids = TransferUids()
         self._guard = Guard()
         self._port = 0
         self.loop: asyncio.AbstractEventLoop
@@ -124,6 +129,7 @@ class IOEngine:
                 cq=cq,
                 memory=self._memory,
                 inbox=self._inbox,
+                inbound=self._inbound,
                 limits=LinkLimits(
                     max_frame=cfg.max_frame,
                     timeout=cfg.control_timeout,
@@ -199,6 +205,7 @@ class IOEngine:
         if running is not None:
             await running.stop()
         self._inbox.close()
+        self._inbound.fail_waiters(EngineClosed(f"engine {self.key!r} closed: no more inbound statuses"))
         if backend is not None:
             await asyncio.get_running_loop().run_in_executor(None, backend.close)
 
@@ -233,13 +240,7 @@ class IOEngine:
 
     def deregister_memory(self, desc: MemoryDesc) -> None:
         """Deregister now; ``MemoryInUse`` if transfers on it are in flight (see ``release_memory``)."""
-        region = self._memory.lookup(desc)
-        if region.pins:
-            raise MemoryInUse(
-                f"{region.pins} transfer(s) still use region {desc.name or hex(desc.addr)}",
-                hint="await engine.release_memory(desc) to deregister once they end, or abort their sessions first",
-            )
-        self._memory.deregister(region, self._backend)
+        self._memory.deregister_unused(desc, self._backend)
 
     async def release_memory(self, desc: MemoryDesc, timeout: float | None = None) -> None:
         """Deregister once no transfer uses the region (``TimeoutError`` leaves it registered)."""
@@ -255,8 +256,19 @@ class IOEngine:
     # -- peers -----------------------------------------------------------------------------------
 
     def register_remote_engine(self, desc: EngineDesc) -> None:
-        """MoRI-IO's explicit style: learn a peer from its packed descriptor."""
+        """MoRI-IO's explicit style: learn a peer from its packed descriptor (undoes a deregistration)."""
         self._require_open().peers.register(desc)
+
+    def deregister_remote_engine(self, peer: EngineDesc | str) -> None:
+        """Forget a peer for new work: ``create_session`` to it (and reconnecting an old session) and
+        ``notify`` raise ``InvalidArgument`` until ``connect`` or ``register_remote_engine`` names it again.
+
+        Safe with transfers in flight: open sessions keep their queue pairs and
+        their transfers end as they would; the peer's own sessions towards this
+        engine are untouched. To stop them, close (abort) those sessions.
+        Unknown keys are ignored, as in MoRI-IO.
+        """
+        self._require_open().peers.forget(peer if isinstance(peer, str) else peer.key)
 
     async def connect(self, address: str, timeout: float | None = None) -> PeerInfo:
         """Handshake with the engine at ``host:port``; return it and its exported memory."""
@@ -280,6 +292,7 @@ class IOEngine:
                 qp,
                 router=running.router,
                 peers=running.peers,
+                uids=self._uids,
                 sessions=self._sessions,
                 max_wr_bytes=self.config.max_wr_bytes,
                 abort_timeout=self.config.abort_timeout,
@@ -287,6 +300,25 @@ class IOEngine:
         except BaseException:
             running.peers.close_qp(qp)
             raise
+
+    def allocate_transfer_uid(self) -> int:
+        """A uid for a transfer call's ``uid=``, unique among this engine's transfers in flight (any thread)."""
+        return self._uids.allocate()
+
+    def announce_transfer(self, peer_key: str, uid: int, code: StatusCode = StatusCode.SUCCESS) -> None:
+        """Send peer ``peer_key`` the ``done`` notice a transfer with ``uid`` sends when it ends, without
+        a transfer: for work the caller split over several transfers, or an empty batch. No wait."""
+        self._require_open().peers.announce(peer_key, check_uid(uid), StatusCode(code))
+
+    def pop_inbound_transfer_status(self, peer_key: str, uid: int) -> StatusCode | None:
+        """Target side: the code peer ``peer_key``'s transfer ``uid`` ended with, once it ended at the
+        peer, and only once; None before (or if the peer gave the transfer no uid). Safe from any thread."""
+        return self._inbound.pop(peer_key, uid)
+
+    async def wait_inbound_transfer_status(self, peer_key: str, uid: int, timeout: float | None = None) -> StatusCode:
+        """Like ``pop_inbound_transfer_status``, waiting until the peer's notice arrives (``TimeoutError``)."""
+        async with asyncio.timeout(timeout):
+            return await self._inbound.wait(peer_key, uid)
 
     @property
     def outstanding(self) -> int:
@@ -352,6 +384,10 @@ class IOEngine:
             "opened_qps": peers.opened_qps if peers is not None else 0,
             "notifications": len(self._inbox),
             "notification_bytes": self._inbox.bytes,
+            "uids_in_flight": len(self._uids),
+            "inbound_statuses": len(self._inbound),
+            "inbound_dropped": self._inbound.dropped,
+            "done_dropped": running.peers.dropped_done if running is not None else 0,
             "authenticated": self._secret is not None,
             "refused_links": guard.refused_links,
             "idle_closed": guard.idle_closed,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..backends.base import Backend, MemoryRegion
 from ..descriptors import MemoryDesc
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MemoryInUse
 from ..status import Access
 
 __all__ = ["LocalRegion", "MemoryRegistry", "as_region_view"]
@@ -112,6 +112,16 @@ class MemoryRegistry:
         self._count -= 1
         if backend is not None:
             backend.deregister_memory(region.mr)
+
+    def deregister_unused(self, desc: MemoryDesc, backend: Backend | None) -> None:
+        """Drop the region ``desc`` names now; ``MemoryInUse`` while transfers pin it."""
+        region = self.lookup(desc)
+        if region.pins:
+            raise MemoryInUse(
+                f"{region.pins} transfer(s) still use region {desc.name or hex(desc.addr)}",
+                hint="await engine.release_memory(desc) to deregister once they end, or abort their sessions first",
+            )
+        self.deregister(region, backend)
 
     def exported(self) -> list[MemoryDesc]:
         """The regions registered with a name: what peers learn at ``connect``."""

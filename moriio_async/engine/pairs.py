@@ -44,6 +44,8 @@ class Opened:
     incarnation: int
     remote_qp: int
     """The peer's answering pair, as ``close_qp`` names it."""
+    link: ControlLink
+    """The link it was asked for over: the peer closes its answering half when that link closes."""
 
 
 class PairBroker:
@@ -81,9 +83,14 @@ class PairBroker:
         except BaseException:
             link.post(CloseQp(qp=ready.qp))  # the answering pair waits for a pair that will never come
             raise
-        self._opened[qp.qp_num] = Opened(qp, peer.key, peer.incarnation, ready.qp)
+        self._opened[qp.qp_num] = Opened(qp, peer.key, peer.incarnation, ready.qp, link)
         self._links.note_opened(link, qp.qp_num)
         return qp
+
+    def usable(self, qp: QueuePair) -> bool:
+        """``qp`` is open, and so is the link its answering half is kept with (else the peer closed that half)."""
+        opened = self._opened.get(qp.qp_num)
+        return opened is not None and opened.qp is qp and not opened.link.closed
 
     def close(self, qp: QueuePair) -> Opened | None:
         """Close a pair ``open`` gave; what it was (to tell the peer), or None if unknown."""
