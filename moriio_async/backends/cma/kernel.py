@@ -51,6 +51,7 @@ _mmap.restype = ctypes.c_void_p
 _munmap = _libc.munmap
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _munmap.restype = ctypes.c_int
+_MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0x8000)
 _MAP_FAILED: Final = ctypes.c_void_p(-1).value
 
 memmove = ctypes.memmove
@@ -89,7 +90,8 @@ def set_ptracer(pid: int) -> int:
 def map_shared(fd: int, length: int, writable: bool) -> int:
     """``mmap(MAP_SHARED)`` of ``length`` bytes of ``fd``; the address. Raises OSError."""
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    addr = _mmap(None, length, prot, mmap.MAP_SHARED, fd, 0)
+    # MAP_POPULATE: fault every page in now (once, off the copy path), not one fault per 4 KiB under a copy.
+    addr = _mmap(None, length, prot, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")

@@ -155,6 +155,18 @@ class LocalTable:
             return self.check_one(lkeys.item(0), addrs.item(0), lengths.item(0), write)
         if not n:
             return 0, VendorErr.NONE
+        if bool((lkeys == lkeys[0]).all()):  # one region (the usual case): no np.unique
+            region = self.by_lkey.get(lkeys.item(0))
+            if region is None or not region.live:
+                return 0, VendorErr.UNKNOWN_LKEY
+            if write and not region.local_write:
+                return 0, VendorErr.LOCAL_NO_ACCESS
+            base, size = np.uint64(region.addr), np.uint64(region.length)
+            offset = addrs - base
+            inside = (addrs >= base) & (offset <= size) & (lengths <= size - offset)
+            if bool(inside.all()):
+                return n, VendorErr.NONE
+            return int(np.argmin(inside)), VendorErr.LOCAL_OUT_OF_BOUNDS
         uniq, which = np.unique(lkeys, return_inverse=True)
         found = [self.by_lkey.get(k) for k in uniq.tolist()]
         codes = [

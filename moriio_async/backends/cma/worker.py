@@ -64,34 +64,34 @@ class Executor:
         self.mover = mover
         self.round_bytes = round_bytes
         self.timeout = timeout
+        self.missing = 0
+        """The allocation ``_plan`` found unmapped at the head of the chunk."""
 
     def run(self, batch: WorkBatch, lo: int, hi: int) -> Outcome:
         read = batch.opcode.item(lo) == _READ
-        rk, ra, rl = batch.rkey[lo:hi], batch.remote_addr[lo:hi], batch.length[lo:hi]
+        ra, rl = batch.remote_addr[lo:hi], batch.length[lo:hi]
         link, st = self.link, self.st
-        first = link.view.check(rk, ra, rl, write=not read)
-        allocs = first.records["alloc"][: first.first_bad]
-        if allocs.any():
-            for alloc_id in np.unique(allocs[allocs != 0]).tolist():
-                link.map(alloc_id, st, self.timeout)  # a failure shows as a missing mapping below
         ends = np.cumsum(rl)
         a, b = int(batch.sge_start[lo]), int(batch.sge_start[hi])
         local_all = iovecs(batch.sge_addr[a:b], batch.sge_length[a:b])
-        pos = 0
+        pos = unmapped = 0
         while True:
             if link.exited():
                 return int(np.searchsorted(ends, pos, side="right")), WcStatus.RETRY_EXC_ERR, VendorErr.PEER_EXITED
             with st.copy_lock:
                 if st.state != _RTS:
                     return 0, None, 0  # flushed meanwhile: the worker sees ERR next
-                plan = self._plan(batch, lo, hi, read, a, b)
-                end_req, status, vendor, remote = plan
-                movable = int(ends[end_req - 1]) if end_req else 0
+                end_req, status, vendor, remote = self._plan(batch, lo, hi, read, a, b)
+                if vendor == VendorErr.NO_MAPPING and not end_req:
+                    unmapped = self.missing
+                    end_req = -1
+                movable = int(ends[end_req - 1]) if end_req > 0 else 0
                 stop = min(movable, pos + self.round_bytes)
                 if stop > pos:
                     rio = remote if remote is not None else iovecs(ra, rl)
-                    moved, err = self.mover.move(link.pid, remote is not None, not read, window(local_all, pos, stop),
-                                                 window(rio, pos, stop), stop - pos)  # fmt: skip
+                    whole = pos == 0 and stop == int(ends[-1]) and len(rio) == hi - lo
+                    lw, rw = (local_all, rio) if whole else (window(local_all, pos, stop), window(rio, pos, stop))
+                    moved, err = self.mover.move(link.pid, remote is not None, not read, lw, rw, stop - pos)
                     pos += moved
                     if err:
                         failed = int(np.searchsorted(ends, pos, side="right"))
@@ -99,6 +99,10 @@ class Executor:
                         if st_ is WcStatus.RETRY_EXC_ERR or link.exited():
                             return failed, WcStatus.RETRY_EXC_ERR, VendorErr.PEER_EXITED
                         return failed, st_, vendor_
+            if end_req < 0:  # map the target's allocation (this waits on it: not under the lock), then retry
+                if not link.map(unmapped, st, self.timeout):
+                    return int(np.searchsorted(ends, pos, side="right")), WcStatus.REM_ACCESS_ERR, VendorErr.NO_MAPPING
+                continue
             if pos >= movable:
                 return end_req, status, vendor
 
@@ -139,6 +143,7 @@ class Executor:
             if mapped is None:
                 missing = int(np.argmax(recs["alloc"] == alloc_id))
                 if missing == 0:
+                    self.missing = alloc_id
                     return 0, WcStatus.REM_ACCESS_ERR, VendorErr.NO_MAPPING, None
                 good, status, vendor = missing, None, 0
                 recs, base, size = recs[:good], base[:good], size[:good]
