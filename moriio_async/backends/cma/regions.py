@@ -161,12 +161,12 @@ class LocalTable:
                 return 0, VendorErr.UNKNOWN_LKEY
             if write and not region.local_write:
                 return 0, VendorErr.LOCAL_NO_ACCESS
-            base, size = np.uint64(region.addr), np.uint64(region.length)
-            offset = addrs - base
-            inside = (addrs >= base) & (offset <= size) & (lengths <= size - offset)
-            if bool(inside.all()):
+            start, span = np.uint64(region.addr), np.uint64(region.length)
+            rel = addrs - start
+            within = (addrs >= start) & (rel <= span) & (lengths <= span - rel)
+            if bool(within.all()):
                 return n, VendorErr.NONE
-            return int(np.argmin(inside)), VendorErr.LOCAL_OUT_OF_BOUNDS
+            return int(np.argmin(within)), VendorErr.LOCAL_OUT_OF_BOUNDS
         uniq, which = np.unique(lkeys, return_inverse=True)
         found = [self.by_lkey.get(k) for k in uniq.tolist()]
         codes = [
