@@ -53,17 +53,22 @@ class TargetLink:
         self.pid = pid
         self.view = view
         self.pidfd = os.pidfd_open(pid)
-        self._poll = select.poll()
-        self._poll.register(self.pidfd, select.POLLIN)
+        self._polls = threading.local()  # a poll object cannot be used by two threads at once
         self.maps: dict[int, tuple[int, int]] = {}  # allocation id -> (address, size), under copy_lock
         self._send_lock = threading.Lock()
         self._need = threading.Condition()
         self._fds: dict[int, tuple[int, int] | None] = {}  # allocation id -> (fd, size), or None: refused
         self.gone = False
+        """The connection ended (set by the reader): the target closed its pair, or exited."""
+        self.gone_vendor = VendorErr.PEER_CLOSED
 
     def exited(self) -> bool:
         """The target process has exited (one non-blocking poll of its pidfd)."""
-        return bool(self._poll.poll(0))
+        poll: select.poll | None = getattr(self._polls, "poll", None)
+        if poll is None:
+            poll = self._polls.poll = select.poll()
+            poll.register(self.pidfd, select.POLLIN)
+        return bool(poll.poll(0))
 
     def fetch(self, alloc_id: int, timeout: float) -> tuple[int, int] | None:
         """Ask the target for an allocation's memfd: (fd, size), or None (refused, gone, or no answer)."""
@@ -153,8 +158,11 @@ class TargetLink:
         with self._need:
             self.gone = True
             self._need.notify_all()
+        self.gone_vendor = vendor
         with st.lock:
-            if st.state == "RTS":
+            # As on a wire: with nothing outstanding the pair stays RTS, and the next request
+            # fails RETRY_EXC_ERR (the worker checks ``gone`` before every window).
+            if st.state == "RTS" and st.pending:
                 st.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
 
     def shutdown(self) -> None:

@@ -76,8 +76,9 @@ class Executor:
         local_all = iovecs(batch.sge_addr[a:b], batch.sge_length[a:b])
         pos = unmapped = 0
         while True:
-            if link.exited():
-                return int(np.searchsorted(ends, pos, side="right")), WcStatus.RETRY_EXC_ERR, VendorErr.PEER_EXITED
+            if link.gone or link.exited():
+                vendor_gone = VendorErr.PEER_EXITED if link.exited() else link.gone_vendor
+                return int(np.searchsorted(ends, pos, side="right")), WcStatus.RETRY_EXC_ERR, vendor_gone
             with st.copy_lock:
                 if st.state != _RTS:
                     return 0, None, 0  # flushed meanwhile: the worker sees ERR next
