@@ -10,7 +10,9 @@ Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
 ``threads`` (int, default 1: threads a large window is split over),
 ``round_bytes`` (default 4 MiB: bytes per window under the copy lock),
 ``split_bytes`` (default 1 MiB: smaller windows are not split),
-``ptracer`` ("peer", "any" or "off": see ``permissions.py``).
+``ptracer`` ("peer", "any" or "off": see ``permissions.py``),
+``revoke_wait`` (seconds, default 1.0: how long deregistration waits for a window an initiator
+is copying right now, usually about a millisecond, before it cuts that initiator off).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class CmaBackend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
         self.tuning = tuning_from(options.extra)
+        revoke_wait = options.extra.get("revoke_wait", 1.0)
+        if not isinstance(revoke_wait, int | float) or isinstance(revoke_wait, bool) or not 0 < revoke_wait <= 60:
+            raise InvalidArgument(f"backend_extra['revoke_wait'] must be seconds in (0, 60], not {revoke_wait!r}")
         policy = options.extra.get("ptracer", "peer")
         try:
             self.policy = PtracerPolicy(str(policy))
@@ -67,7 +72,7 @@ class CmaBackend(Backend):
             raise InvalidArgument(f"backend_extra['ptracer']: {exc}") from None
         self.local = LocalTable()
         self.table = RegionTable()
-        self.port = TargetPort(options, self.table, self.local, self.policy)
+        self.port = TargetPort(options, self.table, self.local, self.policy, revoke_wait)
         self._lock = threading.Lock()
         self._closed = False
         self._qp_numbers = itertools.count(0x10)
@@ -100,9 +105,13 @@ class CmaBackend(Backend):
         return region
 
     def deregister_memory(self, region: MemoryRegion) -> None:
-        """Revoke the region: every initiator's next check fails (one store in the shared table),
-        and each is told (never waited for: see ``target.py``). Locally, waits for a copy into or
-        out of the region in progress on this backend's own pairs (one window, never the peer)."""
+        """Revoke the region: every initiator's next check fails (one store in the shared table).
+
+        Before it returns, it waits for a window an initiator is copying right now to end (its
+        in-use word, ``inuse.py``: about a millisecond; at most ``revoke_wait``, after which that
+        initiator is cut off); acknowledgements, unmapping and the slot's reuse are then handled
+        by the port's threads, never waited for here. Locally, it waits likewise for a copy into
+        or out of the region on this backend's own pairs."""
         found = self.local.remove(region)
         if found is None:
             return

@@ -31,6 +31,7 @@ import numpy as np
 from ...errors import ControlPlaneError, PeerError
 from ...status import WcStatus
 from ..base import BackendOptions
+from .inuse import InUse
 from .kernel import boot_id, map_shared, process_vm, start_time, unmap
 from .pairstate import PairState
 from .permissions import CmaNotPermitted, explain
@@ -48,10 +49,12 @@ MAX_MAPPINGS = 4096
 class TargetLink:
     """A connected target: its pid (in this namespace), table view, mappings and connection."""
 
-    def __init__(self, sock: socket.socket, pid: int, view: TableView) -> None:
+    def __init__(self, sock: socket.socket, pid: int, view: TableView, inuse: InUse) -> None:
         self.sock = sock
         self.pid = pid
         self.view = view
+        self.inuse = inuse
+        """The word the target reads before a deregistration returns (``inuse.py``)."""
         self.pidfd = os.pidfd_open(pid)
         self._polls = threading.local()  # a poll object cannot be used by two threads at once
         self.maps: dict[int, tuple[int, int]] = {}  # allocation id -> (address, size), under copy_lock
@@ -181,6 +184,7 @@ class TargetLink:
                     os.close(got[0])
             self._fds.clear()
         self.view.close()
+        self.inuse.close()
         os.close(self.pidfd)
         self.sock.close()
 
@@ -230,17 +234,20 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
         got = np.zeros(16, np.uint8)
         local, remote = np.array([[got.ctypes.data, 16]], np.uint64), np.array([[probe, 16]], np.uint64)
         _n, err = process_vm(pid, False, local, remote)
-        send(sock, MSG.pack(MAGIC, Kind.READY, err & 0xFF, VERSION, 0, 0, 0))
+        inuse = InUse()
+        send(sock, MSG.pack(MAGIC, Kind.READY, err & 0xFF, VERSION, 0, 0, 0), inuse.fd)
         if err:
+            inuse.close()
             view.close()
             what, hint = explain(err, pid)
             log.warning("cma: %s; fix: %s", what, hint)
             raise CmaNotPermitted(f"qp {qp_num}: {what}", hint=hint)
         if got.tobytes() != nonce:
+            inuse.close()
             view.close()
             raise PeerError(f"qp {qp_num}: pid {pid}'s probe does not match: not the process that answered")
         sock.settimeout(None)
-        return TargetLink(sock, pid, view)
+        return TargetLink(sock, pid, view, inuse)
     except ProtocolError as exc:
         sock.close()
         raise ControlPlaneError(f"qp {qp_num}: cma handshake failed: {exc}") from exc

@@ -33,10 +33,11 @@ from typing import Protocol
 
 from ...status import Access
 from ..base import BackendOptions
+from .inuse import InUseView, fence
 from .kernel import boot_id, start_time
 from .permissions import PtracerPolicy
 from .regions import Allocation, CmaRegion, LocalTable
-from .table import RegionTable
+from .table import SLOTS, RegionTable
 from .wire import HELLO, MAGIC, MSG, VERSION, WELCOME, Kind, ProtocolError, Status, peer_cred, receive, send
 
 __all__ = ["Passive", "TargetPort"]
@@ -65,6 +66,8 @@ class Connection:
         self.port = port
         self.sock = sock
         self.pid = 0
+        self.inuse: InUseView | None = None
+        """The initiator's in-use word (``inuse.py``), mapped read-only."""
         self._send_lock = threading.Lock()
         self._pending: dict[int, tuple[CmaRegion, float]] = {}  # rkey -> region, ack deadline
         self._lock = threading.Lock()
@@ -130,13 +133,18 @@ class Connection:
         for region, _deadline in pending.values():
             self.port.acked(region, self)
         self.sock.close()
+        if self.inuse is not None:
+            self.inuse.close()
 
 
 class TargetPort:
     """The backend's abstract Unix socket and what its initiators see of it."""
 
-    def __init__(self, options: BackendOptions, table: RegionTable, local: LocalTable, policy: PtracerPolicy) -> None:
+    def __init__(
+        self, options: BackendOptions, table: RegionTable, local: LocalTable, policy: PtracerPolicy, revoke_wait: float
+    ) -> None:
         self.options = options
+        self.revoke_wait = revoke_wait
         self.table = table
         self.local = local
         self.policy = policy
@@ -176,8 +184,18 @@ class TargetPort:
     def revoke(self, region: CmaRegion) -> None:
         """Revoke ``region`` in the table and tell every initiator; never waits."""
         self.table.revoke(region.rkey)
+        fence()  # the revocation is visible before any initiator's in-use word is read
         with self._lock:
             conns = [c for c in self._conns if c.pid]
+        deadline = time.monotonic() + self.revoke_wait
+        slot = region.rkey & (SLOTS - 1)
+        for conn in conns:
+            # A window that passed its check just before the store above may be moving bytes of
+            # the region now: wait for it (about a millisecond), never longer than revoke_wait.
+            if conn.inuse is not None and not conn.inuse.wait_clear(slot, deadline):
+                log.warning("cma: initiator pid %d kept copying past revoke_wait=%gs; cutting it off",
+                            conn.pid, self.revoke_wait)  # fmt: skip
+                conn.shutdown()
         region.acks = set(conns)
         if not conns:
             self.table.release(region.rkey)
@@ -270,9 +288,19 @@ class TargetPort:
         welcome = WELCOME.pack(MAGIC, Kind.WELCOME, Status.OK, VERSION, passive.qp_num, os.getpid(), self.start,
                                boot, self.probe_addr, self._probe.raw, len(self.table.records), 0)  # fmt: skip
         send(sock, welcome, self.table.fd)
-        data, _ = receive(sock)
-        if len(data) != MSG.size or MSG.unpack(data)[1] != Kind.READY:
-            raise ProtocolError("no ready after the welcome")
+        data, fd = receive(sock, want_fd=True)
+        if len(data) != MSG.size or MSG.unpack(data)[1] != Kind.READY or fd is None:
+            if fd is not None:
+                os.close(fd)
+            passive.detach()
+            raise ProtocolError("no ready (with the in-use page) after the welcome")
+        try:
+            conn.inuse = InUseView(fd)
+        except (OSError, ValueError) as exc:
+            passive.detach()
+            raise ProtocolError(f"a bad in-use page: {exc}") from exc
+        finally:
+            os.close(fd)
         status = MSG.unpack(data)[2]
         if status:
             passive.detach()

@@ -21,7 +21,9 @@ are mapped before the lock is taken, since that waits on the target.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from ...status import Opcode, WcStatus
 from ...work import WorkBatch
 from ..base import QpState
 from .initiator import TargetLink
+from .inuse import tag_for
 from .iov import Iov, Mover, iovecs, window
 from .pairstate import PairState
 from .regions import LocalTable
@@ -75,11 +78,12 @@ class Executor:
         a, b = int(batch.sge_start[lo]), int(batch.sge_start[hi])
         local_all = iovecs(batch.sge_addr[a:b], batch.sge_length[a:b])
         pos = unmapped = 0
+        tag = tag_for(batch.rkey[lo:hi] & np.uint32(0xFFFF))
         while True:
             if link.gone or link.exited():
                 vendor_gone = VendorErr.PEER_EXITED if link.exited() else link.gone_vendor
                 return int(np.searchsorted(ends, pos, side="right")), WcStatus.RETRY_EXC_ERR, vendor_gone
-            with st.copy_lock:
+            with st.copy_lock, self._in_use(tag):
                 if st.state != _RTS:
                     return 0, None, 0  # flushed meanwhile: the worker sees ERR next
                 end_req, status, vendor, remote = self._plan(batch, lo, hi, read, a, b)
@@ -106,6 +110,16 @@ class Executor:
                 continue
             if pos >= movable:
                 return end_req, status, vendor
+
+    @contextlib.contextmanager
+    def _in_use(self, tag: int) -> Iterator[None]:
+        """Announce the window's target slots before its checks; clear the word after its copy."""
+        inuse = self.link.inuse
+        inuse.enter(tag)
+        try:
+            yield
+        finally:
+            inuse.leave()
 
     def _plan(
         self, batch: WorkBatch, lo: int, hi: int, read: bool, a: int, b: int
