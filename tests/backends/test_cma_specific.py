@@ -246,3 +246,15 @@ def test_a_target_the_kernel_will_not_let_us_attach_to_fails_the_connect_with_on
     assert "cross-memory attach to pid" in result["message"] and "EPERM" in result["message"]
     lines = [ln for ln in err.splitlines() if ln.startswith("cma:")]
     assert len(lines) == 1 and "fix:" in lines[0], err
+
+
+def test_doctor_says_why_another_process_may_not_attach() -> None:
+    proc = spawn("doctor")
+    try:
+        result = line(proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert result["works"] is False, result
+    failures = [ln for ln in result["lines"] if ln.startswith("FAIL")]
+    assert len(failures) == 1 and "EPERM" in failures[0] and "fix:" in failures[0], result["lines"]
