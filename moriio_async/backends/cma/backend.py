@@ -8,7 +8,7 @@ run in ctypes calls, with the GIL released.
 
 Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
 ``threads`` (int, default 1: threads a large window is split over),
-``round_bytes`` (default 4 MiB: bytes per window under the copy lock),
+``round_bytes`` (default 16 MiB: bytes per window under the copy lock),
 ``split_bytes`` (default 1 MiB: smaller windows are not split),
 ``ptracer`` ("peer", "any" or "off": see ``permissions.py``),
 ``revoke_wait`` (seconds, default 1.0: how long deregistration waits for a window an initiator

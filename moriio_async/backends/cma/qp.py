@@ -45,7 +45,7 @@ _READ = int(Opcode.RDMA_READ)
 class Tuning:
     """How a queue pair moves bytes (``backend_extra`` keys of the same names)."""
 
-    round_bytes: int = 4 << 20
+    round_bytes: int = 16 << 20
     """Bytes moved per window under the copy lock (a chunk of requests, or a piece of a huge one)."""
     threads: int = 1
     """Threads one window is split over (1: the worker alone)."""

@@ -10,6 +10,7 @@ they use are revoked.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -80,6 +81,8 @@ class LocalTable:
             os.ftruncate(fd, size)
             seal_fd(fd)  # a peer's mapping can never fault: the file cannot shrink
             buffer = mmap.mmap(fd, size)
+            with contextlib.suppress(OSError, AttributeError):
+                buffer.madvise(mmap.MADV_HUGEPAGE)  # used where shmem huge pages are allowed (see kernel.py)
         except BaseException:
             os.close(fd)
             raise
