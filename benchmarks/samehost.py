@@ -7,16 +7,20 @@
 Two real processes per system: a target registers a 256 MiB buffer (and, for cma,
 a 256 MiB shared-memory buffer from ``allocate_memory``); the initiator (this
 process) moves batches of non-contiguous blocks (shuffled offsets, a gap after
-every block), one batch in flight, as ``vs_mooncake.py`` does. The baselines:
+every block), one batch in flight (``--depth`` for more, moriio_async columns
+only), as ``vs_mooncake.py`` does. The baselines:
 
 * ``memcpy``: the same blocks copied between two buffers of this process
-  (``memmove`` per block, one thread): what a copy through shared memory can reach;
+  (``memmove`` per block, one thread), numpy arrays (huge pages where THP allows);
+* ``memcpy memfd``: the same, to and from a memfd mapping of this process: what a
+  copy through shared memory can reach where shmem gets 4 KiB pages;
 * ``raw pvm``: the same blocks with ``process_vm_readv``/``writev`` against the cma
   target's buffer, all blocks of a batch in one call (IOV_MAX rows): the best one
   thread can do with cross-memory attach, with no checks and no completions.
 
-Systems alternate round by round, so load on the machine hits all alike; each
-cell is the median round. Ratios within one run are what to compare.
+Systems take turns batch by batch (one batch of each, then the next), so load
+from other processes hits them alike; each cell is the median of ``--rounds``
+rounds of ``--bytes`` per system. Ratios within one run are what to compare.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import importlib.util
 import json
+import mmap
 import multiprocessing as mp
 import os
 import statistics
@@ -65,7 +71,7 @@ def _engine_target(pipe: Any, backend: str) -> None:
 
 
 def _mooncake_target(pipe: Any) -> None:
-    from mooncake.engine import TransferEngine
+    from mooncake.engine import TransferEngine  # type: ignore[import-untyped]
 
     engine = TransferEngine()
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""):
@@ -112,12 +118,23 @@ def raw_batch(pid: int, remote_base: int, local_buf: np.ndarray) -> Batch:
     return run
 
 
-def session_batch(session: Session) -> Batch:
+def session_batch(session: Session, depth: int) -> Batch:
+    """One batch (``depth`` 1), or ``4 * depth`` batches with ``depth`` kept in flight: the time per batch."""
+
     async def run(op: str, local: list[int], remote: list[int], size: int) -> float:
         call = session.batch_write if op == "write" else session.batch_read
+        sizes = [size] * len(local)
         start = time.perf_counter()
-        await call(local, remote, [size] * len(local))
-        return time.perf_counter() - start
+        if depth == 1:
+            await call(local, remote, sizes)
+            return time.perf_counter() - start
+        pending: set[asyncio.Future[Any]] = set()
+        for _ in range(4 * depth):
+            if len(pending) >= depth:
+                _done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            pending.add(asyncio.ensure_future(call(local, remote, sizes)))
+        await asyncio.wait(pending)
+        return (time.perf_counter() - start) / (4 * depth)
 
     return run
 
@@ -147,12 +164,13 @@ async def measure(systems: dict[str, Batch], args: argparse.Namespace) -> list[d
             for r in range(args.rounds + 1):  # round 0 warms everything up (connections, mappings, pages)
                 lo, ro = offsets(n, size, 2 * r), offsets(n, size, 2 * r + 1)
                 reps = max(1, args.bytes // (n * size))
-                for name, batch in systems.items():
-                    took = 0.0
-                    for _ in range(reps):
-                        took += await batch(op, lo, ro, size)
-                    if r:
-                        gbps[name].append(reps * n * size / took / 1e9)
+                took = dict.fromkeys(systems, 0.0)
+                for _ in range(reps):  # one batch of each system in turn: a load spike hits them alike
+                    for name, batch in systems.items():
+                        took[name] += await batch(op, lo, ro, size)
+                if r:
+                    for name in systems:
+                        gbps[name].append(reps * n * size / took[name] / 1e9)
             row: dict[str, Any] = {"block": size, "blocks": n, "op": op}
             row.update({name: round(statistics.median(v), 3) for name, v in gbps.items()})
             rows.append(row)
@@ -165,14 +183,9 @@ async def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     pipes: dict[str, Any] = {}
-    mooncake = False
-    if not args.no_mooncake:
-        try:
-            import mooncake.engine
-
-            mooncake = True
-        except ImportError:
-            print("Mooncake is not installed (pip install 'moriio-async[bench]'): its column is skipped")
+    mooncake = not args.no_mooncake and importlib.util.find_spec("mooncake") is not None
+    if not args.no_mooncake and not mooncake:
+        print("Mooncake is not installed (pip install 'moriio-async[bench]'): its column is skipped")
     starts: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
         ("cma", _engine_target, ("cma",)),
         ("tcp", _engine_target, ("tcp",)),
@@ -190,26 +203,33 @@ async def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]
         info = {name: pipe.recv() for name, pipe in pipes.items()}
         local = np.ones(REGION, dtype=np.uint8)
         other = np.ones(REGION, dtype=np.uint8)
+        fd = os.memfd_create("samehost-memcpy")
+        os.ftruncate(fd, REGION)
+        shared = np.frombuffer(mmap.mmap(fd, REGION), np.uint8)  # 4 KiB pages, as a memfd's are here
+        os.close(fd)
+        shared[:] = 1
         systems: dict[str, Batch] = {
             "memcpy": memcpy_batch(local, other),
+            "memcpy memfd": memcpy_batch(local, shared),
             "raw pvm": raw_batch(info["cma"]["pid"], info["cma"]["kv"], local),
         }
         engines: list[IOEngine] = []
         try:
-            for label, backend, extra in [
+            columns: list[tuple[str, str, dict[str, Any]]] = [
                 ("cma", "cma", {}),
                 (f"cma x{args.threads}", "cma", {"threads": args.threads}),
                 ("tcp", "tcp", {}),
-            ]:
-                cfg = IOEngineConfig(backend=backend, sq_depth=1024, backend_extra=extra)
+            ]
+            for label, backend, settings in columns:
+                cfg = IOEngineConfig(backend=backend, sq_depth=1024, backend_extra=settings)
                 engine = await IOEngine(f"bench-{label.replace(' ', '')}", cfg).start()
                 engines.append(engine)
                 desc = engine.register_memory(local)
                 peer = await engine.connect(info[backend]["address"])
-                systems[label] = session_batch(await engine.create_session(desc, peer.memory["kv"]))
+                systems[label] = session_batch(await engine.create_session(desc, peer.memory["kv"]), args.depth)
                 if label == "cma":
                     shm = await engine.create_session(desc, peer.memory["shm"])
-                    systems["cma shm"] = session_batch(shm)
+                    systems["cma shm"] = session_batch(shm, args.depth)
             if mooncake:
                 from mooncake.engine import TransferEngine
 
@@ -241,6 +261,7 @@ async def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]
 RATIOS = [
     ("cma", "raw pvm", "cma / raw pvm"),
     ("cma shm", "memcpy", "shm / memcpy"),
+    ("cma shm", "memcpy memfd", "shm / memcpy memfd"),
     ("cma", "tcp", "cma / tcp"),
 ]
 
@@ -292,8 +313,9 @@ def plot(rows: list[dict[str, Any]], systems: list[str], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per cell (median)")
-    parser.add_argument("--bytes", type=int, default=64 << 20, help="bytes per system per round")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per cell (median)")
+    parser.add_argument("--bytes", type=int, default=256 << 20, help="bytes per system per round")
+    parser.add_argument("--depth", type=int, default=1, help="batches in flight (moriio_async columns only)")
     parser.add_argument("--threads", type=int, default=2, help="threads for the split-window cma column")
     parser.add_argument("--no-mooncake", action="store_true", help="leave Mooncake out even when installed")
     parser.add_argument("--json", help="also write the rows to this file")
@@ -301,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="PNG to write (matplotlib; '' for none)")  # fmt: skip
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every connection at INFO
-    print(f"same-host transfers, python {sys.version.split()[0]}, {os.cpu_count()} cpus, pid {os.getpid()}")
+    print(f"same-host transfers, python {sys.version.split()[0]}, {os.cpu_count()} cpus, pid {os.getpid()}, "
+          f"moriio_async batches in flight: {args.depth}")  # fmt: skip
     rows, notes = asyncio.run(run(args))
     systems = [k for k in rows[0] if k not in ("block", "blocks", "op")]
     report(rows, systems, args.threads)
