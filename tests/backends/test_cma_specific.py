@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,8 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState
-from moriio_async.backends.cma import CmaBackend, CmaQueuePair, VendorErr
+from moriio_async.backends.cma import CmaBackend, CmaQueuePair, VendorErr, wire
+from moriio_async.backends.cma.inuse import ANY, InUse
 from moriio_async.backends.cma.iov import segments, window
 from moriio_async.errors import InvalidArgument
 from moriio_async.status import Access, Opcode, WcStatus
@@ -26,6 +28,7 @@ from moriio_async.work import Sge, WorkCompletion, WorkRequest
 from .harness import WAIT, CqWaiter, Pair, PairFactory, make_options, random_bytes, statuses, wr_ids
 from .test_peer_failure import assert_peer_lost
 
+# Every test takes ``backend_name`` so that it is generated only when cma is under test.
 pytestmark = [
     pytest.mark.timeout(90),
     pytest.mark.only_backends("cma", reason="tests the cma backend's revocation, shared memory and permissions"),
@@ -127,7 +130,7 @@ def test_windows_split_over_threads_are_byte_identical(pairs: PairFactory) -> No
     assert np.array_equal(pair.a.buf[: 3 << 20], src[: 3 << 20])
 
 
-def test_iovec_windows_and_segments_cover_the_stream() -> None:
+def test_iovec_windows_and_segments_cover_the_stream(backend_name: str) -> None:
     rng = np.random.default_rng(5)
     for _ in range(50):
         n, m = int(rng.integers(1, 20)), int(rng.integers(1, 20))
@@ -151,7 +154,7 @@ def test_iovec_windows_and_segments_cover_the_stream() -> None:
             assert la_ - 10_000 == lb_ - 90_000 and k > 0  # the same stream offset on both sides
 
 
-def test_bad_settings_are_refused_with_the_key_named() -> None:
+def test_bad_settings_are_refused_with_the_key_named(backend_name: str) -> None:
     for extra in ({"threads": 0}, {"round_bytes": "4M"}, {"ptracer": "everyone"}):
         with pytest.raises(InvalidArgument, match=next(iter(extra))):
             open_backend("cma", make_options(extra=extra))
@@ -229,7 +232,7 @@ def test_a_target_killed_mid_batch_on_shared_memory_fails_retry_exc_then_flushes
         backend.close()
 
 
-def test_a_target_the_kernel_will_not_let_us_attach_to_fails_the_connect_with_one_clear_line() -> None:
+def test_a_target_the_kernel_will_not_let_us_attach_to_fails_the_connect_with_one_clear_line(backend_name: str) -> None:
     target = spawn("target", str(1 << 20), "--undumpable")
     initiator = spawn("initiator")
     try:
@@ -248,7 +251,7 @@ def test_a_target_the_kernel_will_not_let_us_attach_to_fails_the_connect_with_on
     assert len(lines) == 1 and "fix:" in lines[0], err
 
 
-def test_doctor_says_why_another_process_may_not_attach() -> None:
+def test_doctor_says_why_another_process_may_not_attach(backend_name: str) -> None:
     proc = spawn("doctor")
     try:
         result = line(proc)
@@ -258,3 +261,85 @@ def test_doctor_says_why_another_process_may_not_attach() -> None:
     assert result["works"] is False, result
     failures = [ln for ln in result["lines"] if ln.startswith("FAIL")]
     assert len(failures) == 1 and "EPERM" in failures[0] and "fix:" in failures[0], result["lines"]
+
+
+class FakeInitiator:
+    """An initiator written by hand against the wire (``wire.py``): it can misbehave."""
+
+    def __init__(self, backend: CmaBackend) -> None:
+        self.qp = backend.create_qp(backend.create_cq(64))
+        self.qp.connect({"backend": "cma", "accepting": False})  # the passive side: waits for a dial
+        endpoint = self.qp.endpoint()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(WAIT)
+        self.sock.connect("\0" + str(endpoint["socket"]))
+        token = bytes.fromhex(str(endpoint["token"]))
+        wire.send(self.sock, wire.HELLO.pack(wire.MAGIC, wire.Kind.HELLO, 0, wire.VERSION, token, 1, os.getpid(), 0))
+        data, fd = wire.receive(self.sock, want_fd=True)
+        assert fd is not None and len(data) == wire.WELCOME.size
+        os.close(fd)
+        self.inuse = InUse()
+        wire.send(self.sock, self.msg(wire.Kind.READY), self.inuse.fd)
+        # The target answers a request only once it has taken the connection as an initiator's.
+        wire.send(self.sock, self.msg(wire.Kind.NEED, 12345))
+        assert wire.MSG.unpack(wire.receive(self.sock)[0])[1] == wire.Kind.FD
+
+    @staticmethod
+    def msg(kind: int, a: int = 0) -> bytes:
+        return wire.MSG.pack(wire.MAGIC, kind, 0, wire.VERSION, a, 0, 0)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.inuse.close()
+        self.qp.close()
+
+
+def test_deregistration_waits_only_for_a_window_in_progress_and_cuts_off_one_that_never_ends(
+    backend_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = cma(open_backend("cma", make_options(extra={"revoke_wait": 0.3})))
+    buf = np.zeros(1 << 20, np.uint8)
+    fake = FakeInitiator(backend)
+    try:
+        # An initiator between windows: deregistration returns at once, then the revocation
+        # arrives; its ack frees the slot.
+        mr = backend.register_memory(memoryview(buf), Access.all())
+        started = time.monotonic()
+        backend.deregister_memory(mr)
+        assert time.monotonic() - started < 0.25
+        _m, kind, _s, _v, rkey, _b, _c = wire.MSG.unpack(wire.receive(fake.sock)[0])
+        assert (kind, rkey) == (wire.Kind.REVOKE, mr.rkey)
+        wire.send(fake.sock, fake.msg(wire.Kind.ACK, rkey))
+        assert eventually(lambda: int(backend.table.records["rkey"][mr.rkey & SLOT_MASK]) == 0)
+        # An initiator that announces a window over every slot and never ends it: the wait is
+        # bounded by revoke_wait, one WARNING says so, and that initiator is cut off.
+        mr = backend.register_memory(memoryview(buf), Access.all())
+        fake.inuse.enter(ANY)
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="moriio_async.cma"):
+            backend.deregister_memory(mr)
+        waited = time.monotonic() - started
+        assert 0.25 <= waited < 0.3 + 2.0, waited
+        assert [r.message for r in caplog.records if "revoke_wait" in r.message], caplog.text
+        with pytest.raises((wire.ProtocolError, OSError)):
+            while True:  # drain the revocation; then the end of the connection
+                wire.receive(fake.sock)
+        assert eventually(lambda: fake.qp.state == QpState.ERR)
+    finally:
+        fake.close()
+        backend.close()
+
+
+def test_a_bad_message_ends_only_its_own_connection(pairs: PairFactory) -> None:
+    pair = pairs()
+    fake = FakeInitiator(cma(pair.b.backend))
+    try:
+        fake.sock.send(b"\x00" * 5)
+        with pytest.raises((wire.ProtocolError, OSError)):
+            wire.receive(fake.sock)
+        assert eventually(lambda: fake.qp.state == QpState.ERR)
+        wcs = pair.run([pair.read(0, 0, 4096, 0)])  # the real initiator's pair still works
+        assert statuses(wcs) == [WcStatus.SUCCESS]
+        assert np.array_equal(pair.a.buf[:4096], pair.b.buf[:4096])
+    finally:
+        fake.close()
