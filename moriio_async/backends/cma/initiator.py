@@ -214,8 +214,9 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
             raise ProtocolError("not a welcome")
         _m, kind, status, _version, _peer_qp, pid, started, boot_raw, probe, nonce, _slots, _r = WELCOME.unpack(data)
         if kind != Kind.WELCOME or status != Status.OK or fd is None:
+            why = next((m.name for m in Status if m == status), f"status {status}")
             raise PeerError(
-                f"qp {qp_num}: the cma target refused the connection ({Status(status).name})",
+                f"qp {qp_num}: the cma target refused the connection ({why})",
                 hint="the passive pair was closed, the peer runs as another user, or versions differ",
             )
         cred = peer_cred(sock)

@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Final
 
 import numpy as np
@@ -86,14 +87,14 @@ class InUseView:
         self._map = mmap.mmap(fd, PAGE, prot=mmap.PROT_READ)
         self.word = np.frombuffer(self._map, dtype=np.uint32)
 
-    def wait_clear(self, slot: int, deadline: float) -> bool:
-        """Wait until no window of this initiator touches ``slot`` (the caller fenced after revoking);
-        False if one still did at ``deadline``."""
+    def wait_clear(self, slot: int, deadline: float, gone: Callable[[], bool]) -> bool:
+        """Wait until no window of this initiator touches ``slot`` (the caller fenced after revoking),
+        or the initiator is ``gone`` (a killed one leaves its word set); False at ``deadline``."""
         mine = slot + 1
         pause = 0.0
         while True:
             word = int(self.word[0])
-            if word != mine and word != ANY:
+            if (word != mine and word != ANY) or gone():
                 return True
             if time.monotonic() >= deadline:
                 return False

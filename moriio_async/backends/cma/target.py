@@ -40,11 +40,13 @@ from .regions import Allocation, CmaRegion, LocalTable
 from .table import SLOTS, RegionTable
 from .wire import HELLO, MAGIC, MSG, VERSION, WELCOME, Kind, ProtocolError, Status, peer_cred, receive, send
 
-__all__ = ["Passive", "TargetPort"]
+__all__ = ["MAX_CONNECTIONS", "Passive", "TargetPort"]
 
 log = logging.getLogger("moriio_async.cma")
 
 _REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE
+MAX_CONNECTIONS = 1024
+"""Initiator connections one backend serves at once (each has a thread); more are refused at accept."""
 
 
 class Passive(Protocol):
@@ -90,6 +92,10 @@ class Connection:
     def shutdown(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+    def is_closed(self) -> bool:
+        """The connection ended (the initiator left, died, or was cut off)."""
+        return self.closed
 
     def serve(self, passive: Passive) -> None:
         """Acks and fd requests until the initiator leaves (or is cut off)."""
@@ -192,7 +198,7 @@ class TargetPort:
         for conn in conns:
             # A window that passed its check just before the store above may be moving bytes of
             # the region now: wait for it (about a millisecond), never longer than revoke_wait.
-            if conn.inuse is not None and not conn.inuse.wait_clear(slot, deadline):
+            if conn.inuse is not None and not conn.inuse.wait_clear(slot, deadline, conn.is_closed):
                 log.warning("cma: initiator pid %d kept copying past revoke_wait=%gs; cutting it off",
                             conn.pid, self.revoke_wait)  # fmt: skip
                 conn.shutdown()
@@ -232,6 +238,17 @@ class TargetPort:
                 if self._closed:
                     return
                 time.sleep(0.05)  # e.g. EMFILE: do not spin
+                continue
+            try:
+                stranger = peer_cred(sock).uid != os.getuid()
+            except OSError:
+                stranger = True
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS
+            if stranger or full:  # refused before it costs a thread: another user, or too many at once
+                if full:
+                    log.warning("cma: %d connections already; refusing another", MAX_CONNECTIONS)
+                sock.close()
                 continue
             conn = Connection(self, sock)
             thread = threading.Thread(target=self._serve, args=(conn,), name="moriio-cma-target", daemon=True)
