@@ -61,6 +61,7 @@ class TargetLink:
         self._send_lock = threading.Lock()
         self._need = threading.Condition()
         self._fds: dict[int, tuple[int, int] | None] = {}  # allocation id -> (fd, size), or None: refused
+        self._asked = 0  # the allocation a fetch waits for (one at a time: only the worker fetches)
         self.gone = False
         """The connection ended (set by the reader): the target closed its pair, or exited."""
         self.gone_vendor = VendorErr.PEER_CLOSED
@@ -77,6 +78,7 @@ class TargetLink:
         """Ask the target for an allocation's memfd: (fd, size), or None (refused, gone, or no answer)."""
         with self._need:
             self._fds.pop(alloc_id, None)
+            self._asked = alloc_id
         try:
             with self._send_lock:
                 send(self.sock, MSG.pack(MAGIC, Kind.NEED, 0, VERSION, alloc_id, 0, 0), block=False)
@@ -84,6 +86,7 @@ class TargetLink:
             return None
         with self._need:
             self._need.wait_for(lambda: alloc_id in self._fds or self.gone, timeout)
+            self._asked = 0
             return self._fds.pop(alloc_id, None)
 
     def map(self, alloc_id: int, st: PairState, timeout: float) -> bool:
@@ -132,9 +135,13 @@ class TargetLink:
                 self._revoked(st, a)
             elif kind == Kind.FD:
                 with self._need:
-                    self._fds[a] = (fd, int(c)) if fd is not None and not status else None
-                    self._need.notify_all()
-                if status and fd is not None:
+                    # Only the answer to the one request in flight is kept: a target cannot make
+                    # this process hold descriptors it did not ask for.
+                    keep = a == self._asked and a not in self._fds
+                    if keep:
+                        self._fds[a] = (fd, int(c)) if fd is not None and not status else None
+                        self._need.notify_all()
+                if fd is not None and (status or not keep):
                     os.close(fd)
             else:
                 if fd is not None:
