@@ -109,11 +109,19 @@ class TargetLink:
         finally:
             os.close(fd)
         with st.copy_lock:
-            if alloc_id in self.maps or self.gone:
+            # A revocation applied while the fd was on its way may have left no live region in it:
+            # then the mapping is not kept (the reader's scan could not see it yet).
+            if alloc_id in self.maps or self.gone or alloc_id not in self._needed():
                 unmap(addr, size)
             else:
                 self.maps[alloc_id] = (addr, size)
         return True
+
+    def _needed(self) -> set[int]:
+        """The allocations some live region of the target's table lies in."""
+        records = self.view.records
+        live = (records["flags"] & np.uint32(LIVE)) != 0
+        return set(np.unique(records["alloc"][live]).tolist())
 
     def read_loop(self, st: PairState) -> None:
         """Revocations, memfds and the end of the connection, until the pair leaves RTS."""
@@ -150,11 +158,9 @@ class TargetLink:
                 return
 
     def _revoked(self, st: PairState, rkey: int) -> None:
-        records = self.view.records
         with st.copy_lock:  # the copy in progress ends first; every later check sees the revocation
             if self.maps:
-                live = (records["flags"] & np.uint32(LIVE)) != 0
-                needed = set(np.unique(records["alloc"][live]).tolist())
+                needed = self._needed()
                 for alloc_id in [k for k in self.maps if k not in needed]:
                     addr, size = self.maps.pop(alloc_id)
                     unmap(addr, size)
