@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 
-from moriio_async import IOEngine, IOEngineConfig, InvalidArgument, waiting_for_transfer_complete
+from moriio_async import InvalidArgument, IOEngine, IOEngineConfig, waiting_for_transfer_complete
 
 SIZE = 1 << 20
 
