@@ -202,6 +202,21 @@ class TargetLink:
         self.sock.close()
 
 
+_refused: set[tuple[int, int]] = set()
+_refused_lock = threading.Lock()
+
+
+def _first_refusal(pid: int, started: int) -> bool:
+    """True the first time the kernel refuses this process (pid and start time); bounded memory."""
+    with _refused_lock:
+        if (pid, started) in _refused:
+            return False
+        if len(_refused) >= 1024:
+            _refused.clear()
+        _refused.add((pid, started))
+        return True
+
+
 def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: BackendOptions) -> TargetLink:
     """Connect to the target's backend and check who it is. Raises PeerError, CmaNotPermitted."""
     name, boot = str(endpoint.get("socket", "")), str(endpoint.get("boot_id", ""))
@@ -254,7 +269,8 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
             inuse.close()
             view.close()
             what, hint = explain(err, pid)
-            log.warning("cma: %s; fix: %s", what, hint)
+            if _first_refusal(pid, started):  # one line per target process, however many pairs try
+                log.warning("cma: %s; fix: %s", what, hint)
             raise CmaNotPermitted(f"qp {qp_num}: {what}", hint=hint)
         if got.tobytes() != nonce:
             inuse.close()
