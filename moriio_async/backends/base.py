@@ -48,11 +48,12 @@ The semantics every backend keeps (the conformance suite checks them):
 from __future__ import annotations
 
 import abc
+import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..errors import MoriioError
+from ..errors import InvalidArgument, MoriioError
 from ..status import Access
 from ..work import WorkBatch, WorkCompletion, WorkRequest
 
@@ -204,6 +205,17 @@ class Backend(abc.ABC):
         REMOTE_WRITE without LOCAL_WRITE raises ``InvalidArgument``, as
         ``ibv_reg_mr`` refuses it (EINVAL), so no backend accepts what another refuses.
         """
+
+    def allocate_buffer(self, size: int) -> mmap.mmap:
+        """A zeroed, page-aligned buffer of ``size`` bytes, for ``register_memory``.
+
+        The default is an anonymous private mapping. A backend that can share memory with
+        peers on the same host (cma) backs it with a memfd those peers map, so they move its
+        bytes with a plain copy.
+        """
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgument(f"allocation size must be a positive int, not {size!r}")
+        return mmap.mmap(-1, size)
 
     @abc.abstractmethod
     def deregister_memory(self, region: MemoryRegion) -> None:

@@ -23,7 +23,7 @@ class IOEngineConfig:
     port: int = 0
     """Control-plane port; 0 picks a free one (see ``IOEngine.address``)."""
     backend: str = "tcp"
-    """"tcp", "verbs", or "auto" (verbs when a device works, else tcp)."""
+    """"tcp", "verbs", "cma" (peers on this host), "mock", or "auto" (verbs when a device works, else tcp)."""
     transfer_timeout: float = 30.0
     """Default deadline of ``waiting_for_transfer_complete`` (vLLM's transfer_timeout)."""
     control_timeout: float = 10.0

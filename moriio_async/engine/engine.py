@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, final
 
@@ -237,6 +238,15 @@ class IOEngine:
     def register_memory(self, buffer: object, name: str = "", access: Access | None = None) -> MemoryDesc:
         """Register a writable, contiguous buffer; a ``name`` exports it to peers at ``connect``."""
         return self._memory.register(self._require_open().backend, buffer, name, access)
+
+    def allocate_memory(self, size: int, name: str = "", access: Access | None = None) -> tuple[MemoryDesc, mmap.mmap]:
+        """A zeroed buffer from the backend, registered as ``register_memory`` would: ``(desc, buffer)``.
+
+        On the cma backend it is a memfd that same-host peers map and copy with memcpy; elsewhere
+        an anonymous mapping. ``np.frombuffer(buffer, np.uint8)`` views it as an array.
+        """
+        buffer = self._require_open().backend.allocate_buffer(size)
+        return self.register_memory(buffer, name, access), buffer
 
     def deregister_memory(self, desc: MemoryDesc) -> None:
         """Deregister now; ``MemoryInUse`` if transfers on it are in flight (see ``release_memory``)."""

@@ -30,8 +30,8 @@ WAIT = 15.0
 
 
 def backend_names() -> list[str]:
-    """Backends the suite runs against: MORIIO_TEST_BACKENDS, a comma list (default "mock,tcp")."""
-    return [b.strip() for b in os.environ.get("MORIIO_TEST_BACKENDS", "mock,tcp").split(",") if b.strip()]
+    """Backends the suite runs against: MORIIO_TEST_BACKENDS, a comma list (default "mock,tcp,cma")."""
+    return [b.strip() for b in os.environ.get("MORIIO_TEST_BACKENDS", "mock,tcp,cma").split(",") if b.strip()]
 
 
 def make_options(**overrides: Any) -> BackendOptions:
