@@ -11,7 +11,7 @@ Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
 ``round_bytes`` (default 16 MiB: bytes per window under the copy lock),
 ``split_bytes`` (default 1 MiB: smaller windows are not split),
 ``ptracer`` ("peer", "any" or "off": see ``permissions.py``),
-``revoke_wait`` (seconds, default 1.0: how long deregistration waits for a window an initiator
+``revoke_wait`` (seconds, default 0.1: how long deregistration waits for a window an initiator
 is copying right now, usually about a millisecond, before it cuts that initiator off).
 """
 
@@ -62,7 +62,7 @@ class CmaBackend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
         self.tuning = tuning_from(options.extra)
-        revoke_wait = options.extra.get("revoke_wait", 1.0)
+        revoke_wait = options.extra.get("revoke_wait", 0.1)
         if not isinstance(revoke_wait, int | float) or isinstance(revoke_wait, bool) or not 0 < revoke_wait <= 60:
             raise InvalidArgument(f"backend_extra['revoke_wait'] must be seconds in (0, 60], not {revoke_wait!r}")
         policy = options.extra.get("ptracer", "peer")
