@@ -33,7 +33,7 @@ class DataGuard:
         self._lock = threading.Lock()
         self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
         self.refused_tokens = 0
-        self.bad_hellos = 0
+        self.bad_messages = 0
         self.slow_messages = 0
         self.refused_connections = 0
         self.access_errors = 0
@@ -49,9 +49,10 @@ class DataGuard:
         self._count("refused_tokens")
         self._warn.log(f"token:{host}", "tcp data port: refused a connection from %s: unknown or used token", host)
 
-    def bad_hello(self, host: str, why: str) -> None:
-        self._count("bad_hellos")
-        self._warn.log(f"hello:{host}", "tcp data port: bad hello from %s: %s", host, why)
+    def bad_message(self, host: str, why: str) -> None:
+        """A hello or chunk that is not one: bad magic or version, an unknown opcode, a bad count."""
+        self._count("bad_messages")
+        self._warn.log(f"hello:{host}", "tcp data port: bad message from %s: %s", host, why)
 
     def slow_message(self, where: str, why: str) -> None:
         """A hello or a chunk not complete within its deadline (a trickling peer): its connection ends."""
@@ -79,7 +80,7 @@ class DataGuard:
         with self._lock:
             return {
                 "refused_tokens": self.refused_tokens,
-                "bad_hellos": self.bad_hellos,
+                "bad_messages": self.bad_messages,
                 "slow_messages": self.slow_messages,
                 "refused_connections": self.refused_connections,
                 "access_errors": self.access_errors,

@@ -176,11 +176,11 @@ class Listener:
                 view = view[n:]
             magic, version, _flags, token, _peer_qp = HELLO.unpack(hello)
             if magic != MAGIC:
-                self.guard.bad_hello(host, "not a moriio data-port hello")
+                self.guard.bad_message(host, "not a moriio data-port hello")
                 sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_HELLO, 0))
                 return None
             if version != VERSION:
-                self.guard.bad_hello(host, f"wire version {version}, this side {VERSION}")
+                self.guard.bad_message(host, f"wire version {version}, this side {VERSION}")
                 sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_VERSION, 0))
                 return None
             st = self._claim(token)

@@ -116,7 +116,7 @@ class Responder:
             op, _flags, _r16, seq, count, _r32 = CHUNK.unpack_from(first)
             self._writes = op == _WRITE  # before any region is pinned for it (abort reads it)
             if (op != _WRITE and op != _READ) or not 1 <= count <= MAX_CHUNK:
-                self.guard.bad_hello(_host(sock), f"qp {st.qp_num}: malformed chunk (opcode {op}, {count} requests)")
+                self.guard.bad_message(_host(sock), f"qp {st.qp_num}: malformed chunk (opcode {op}, {count} requests)")
                 return
             hooks = st.hooks
             if count == 1 and (hooks is None or op == _READ):
