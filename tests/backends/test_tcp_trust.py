@@ -24,7 +24,7 @@ from moriio_async.backends.tcp.listener import MAX_HELLOS
 from moriio_async.backends.tcp.regions import KeyStream
 from moriio_async.core.auth import token_for
 from moriio_async.errors import InvalidArgument
-from moriio_async.status import Access, Opcode, WcStatus
+from moriio_async.status import Access, WcStatus
 
 from . import datawire as dw
 from .harness import make_options
@@ -318,6 +318,7 @@ def test_passive_close_does_not_join_its_responder() -> None:
     with target() as t:
         t.qp.hooks = Stuck()  # type: ignore[attr-defined]
         sock, status = dw.dial(t.port, random_token(t))
+        assert status == dw.OK
         sock.sendall(dw.chunk(dw.READ, 0, (t.mr.rkey, t.mr.addr, 8)))
         time.sleep(0.2)
         responders = [th for th in threading.enumerate() if th.name.startswith("moriio-tcp-resp")]
@@ -336,6 +337,7 @@ def test_passive_close_does_not_join_its_responder() -> None:
 def test_a_request_after_deregistration_fails_with_rem_access_err() -> None:
     with target() as t:
         sock, status = dw.dial(t.port, random_token(t))
+        assert status == dw.OK
         t.backend.deregister_memory(t.mr)
         sock.sendall(dw.chunk(dw.WRITE, 0, (t.mr.rkey, t.mr.addr, 16)) + b"\1" * 16)
         r = dw.response(sock)
