@@ -63,10 +63,10 @@ class DataGuard:
         self._count("refused_connections")
         self._warn.log(f"busy:{host}", "tcp data port: refused a connection from %s: %s", host, why)
 
-    def access_error(self, qp_num: int, detail: str) -> None:
-        """The target's checks refused a request on answering pair ``qp_num``."""
+    def access_error(self, qp_num: int, host: str, detail: str) -> None:
+        """The target's checks refused a request on answering pair ``qp_num``, from ``host``."""
         self._count("access_errors")
-        self._warn.log(f"access:{qp_num}", "tcp qp %d: remote access refused: %s", qp_num, detail)
+        self._warn.log(f"access:{host}", "tcp qp %d (%s): remote access refused: %s", qp_num, host, detail)
         listener = self.listener
         if listener is not None:
             listener(qp_num, detail)

@@ -137,6 +137,7 @@ class Responder:
                 return
             checked = st.regions.check_remote(op, d["rkey"], d["addr"], d["length"], self)
             done = checked.first_bad
+            aborted = False
             if done < count:
                 self._refused(st, op, d[done], checked.vendor)
             try:
@@ -147,9 +148,9 @@ class Responder:
                             return
                 status, vendor = (0, 0) if done == count else (_REM_ACCESS_ERR, int(checked.vendor))
                 if op == _WRITE:
-                    if not self._receive(st, fd, d, done, seq):
-                        return
-                    _send_small(sock, RESPONSE.pack(op, status, vendor, seq, done, 0, 0))
+                    aborted = not self._receive(fd, d, done)
+                    if not aborted:
+                        _send_small(sock, RESPONSE.pack(op, status, vendor, seq, done, 0, 0))
                 else:
                     payload = _fill(d, done, iov := iovecs(1 + done), 1)
                     RESPONSE.pack_into(reply.data, 0, op, status, vendor, seq, done, 0, payload)
@@ -157,6 +158,9 @@ class Responder:
                     send_all(fd, iov, RESPONSE.size + payload)
             finally:
                 checked.unpin()
+            if aborted:  # answered only now: the region's pin must end before anything else waits
+                self._answer_abort(st, seq)
+                return
             if done < count:
                 self._refuse_rest(sock, scratch)
                 return
@@ -174,6 +178,7 @@ class Responder:
         if self._stopped:
             return False
         checked = st.regions.check_remote_one(op, rkey, addr, length, self)
+        aborted = False
         try:
             if not checked.first_bad:
                 self._refused(st, op, (rkey, _r, addr, length), checked.vendor)
@@ -192,14 +197,18 @@ class Responder:
                 try:
                     recv_exact(sock, view, self.deadline)
                 except PeerGone:
-                    if self._aborted(st, seq):
-                        return False
-                    raise
-                _send_small(sock, RESPONSE.pack(op, 0, 0, seq, 1, 0, 0))
+                    if not self.deadline.aborted:
+                        raise
+                    aborted = True
+                else:
+                    _send_small(sock, RESPONSE.pack(op, 0, 0, seq, 1, 0, 0))
             else:
                 send_buffers(sock, [RESPONSE.pack(op, 0, 0, seq, 1, 0, length), view], RESPONSE.size + length)
         finally:
             checked.unpin()
+        if aborted:
+            self._answer_abort(st, seq)
+            return False
         return True
 
     def _write_hooked(self, st: PairState, hooks: Hooks, fd: int, seq: int, d: np.ndarray, scratch: memoryview) -> bool:
@@ -218,10 +227,12 @@ class Responder:
                     _send_small(sock, RESPONSE.pack(_WRITE, _REM_ACCESS_ERR, int(checked.vendor), here, 0, 0, 0))
                     self._refuse_rest(sock, scratch)
                     return False
-                if not self._receive(st, fd, one, 1, here):
-                    return False
+                aborted = not self._receive(fd, one, 1)
             finally:
                 checked.unpin()
+            if aborted:
+                self._answer_abort(st, here)
+                return False
             _send_small(sock, RESPONSE.pack(_WRITE, 0, 0, here, 1, 0, 0))
         return True
 
@@ -245,9 +256,9 @@ class Responder:
                 recv_exact(sock, view[n:], self.deadline)  # silence inside a header is a dead peer (PeerGone)
             return True
 
-    def _receive(self, st: PairState, fd: int, d: np.ndarray, n: int, seq: int) -> bool:
+    def _receive(self, fd: int, d: np.ndarray, n: int) -> bool:
         """Receive the payloads of the first ``n`` WRITEs of a chunk into their (pinned) target ranges;
-        False (after answering REM_ACCESS_ERR) when a deregistration aborted it."""
+        False when a deregistration aborted it (the caller unpins, then answers)."""
         iov = iovecs(n)
         total = _fill(d, n, iov, 0)
         if not total:
@@ -256,21 +267,19 @@ class Responder:
         try:
             recv_all(fd, iov, total, 0, self.deadline)
         except PeerGone:
-            if self._aborted(st, seq):
+            if self.deadline.aborted:
                 return False
             raise
         return True
 
-    def _aborted(self, st: PairState, seq: int) -> bool:
-        """After a receive ended early: if a deregistration aborted it, say REM_ACCESS_ERR and end service."""
-        if not self.deadline.aborted:
-            return False
+    def _answer_abort(self, st: PairState, seq: int) -> None:
+        """A deregistration aborted the WRITE at ``seq`` (its regions unpinned already): say
+        REM_ACCESS_ERR, and end service once the initiator hung up."""
         self.guard.aborted_receive(st.qp_num)
         with contextlib.suppress(PeerGone):
             _send_small(self.sock, RESPONSE.pack(_WRITE, _REM_ACCESS_ERR, int(VendorErr.REMOTE_DEREGISTERED), seq,
                                                  0, 0, 0))  # fmt: skip
             self._linger(self.sock)
-        return True
 
     def _linger(self, sock: socket.socket) -> None:
         """After answering an aborted WRITE on a read-shut socket: wait (at most one ``retry_timeout``)
@@ -290,7 +299,8 @@ class Responder:
     def _refused(self, st: PairState, op: int, desc: tuple[int, int, int, int] | np.void, vendor: VendorErr) -> None:
         rkey, _r, addr, length = (int(x) for x in (desc.tolist() if isinstance(desc, np.void) else desc))
         what = "WRITE" if op == _WRITE else "READ"
-        self.guard.access_error(st.qp_num, f"{what} rkey {rkey:#x} [{addr:#x}, +{length}): {vendor.name}")
+        detail = f"{what} rkey {rkey:#x} [{addr:#x}, +{length}): {vendor.name}"
+        self.guard.access_error(st.qp_num, _host(self.sock), detail)
 
     def _refuse_rest(self, sock: socket.socket, scratch: memoryview) -> None:
         """After an error response: execute nothing more, drain until the initiator hangs up (for at
