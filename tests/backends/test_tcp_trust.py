@@ -24,10 +24,11 @@ from moriio_async.backends.tcp.listener import MAX_HELLOS
 from moriio_async.backends.tcp.regions import KeyStream
 from moriio_async.core.auth import token_for
 from moriio_async.errors import InvalidArgument
-from moriio_async.status import Access, WcStatus
+from moriio_async.status import Access, Opcode, WcStatus
+from moriio_async.work import Sge, WorkRequest
 
 from . import datawire as dw
-from .harness import make_options
+from .harness import CqWaiter, make_options
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -344,3 +345,49 @@ def test_a_request_after_deregistration_fails_with_rem_access_err() -> None:
         assert (r.status, r.vendor) == (int(WcStatus.REM_ACCESS_ERR), VendorErr.UNKNOWN_RKEY)
         assert not t.buf.any()
         sock.close()
+
+
+@pytest.mark.parametrize("part", ["header", "payload"])
+def test_a_target_trickling_its_read_response_is_cut_at_the_deadline(part: str) -> None:
+    """The initiator's side too: a hostile target that answers a READ a byte at a time (each within
+    the silence timeout) fails the request with RETRY_EXC_ERR at the response's deadline."""
+    fake = socket.create_server(("127.0.0.1", 0))
+    backend = open_backend("tcp", make_options(retry_timeout=1.0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = fake.accept()
+        with conn:
+            dw.recv_exactly(conn, dw.HELLO.size)
+            conn.sendall(dw.HELLO_ACK.pack(dw.MAGIC, dw.VERSION, dw.OK, 99))
+            dw.recv_exactly(conn, dw.CHUNK.size + dw.DESC.size)
+            head = dw.RESPONSE.pack(dw.READ, 0, 0, 0, 1, 0, 4096)
+            if part == "payload":
+                conn.sendall(head + b"\1" * 100)
+                head = b"\2" * 3996
+            for i in range(len(head)):
+                if stop.wait(0.2):
+                    return
+                try:
+                    conn.send(head[i : i + 1])
+                except OSError:
+                    return
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        buf = np.zeros(4096, np.uint8)
+        mr = backend.register_memory(memoryview(buf), Access.all())
+        cq = backend.create_cq(8)
+        qp = backend.create_qp(cq)
+        qp.connect({"backend": "tcp", "accepting": True, "host": "127.0.0.1", "port": fake.getsockname()[1],
+                    "qp_num": 99, "token": "ab" * 16})  # fmt: skip
+        waiter = CqWaiter(cq)
+        qp.post_send([WorkRequest(1, Opcode.RDMA_READ, (Sge(mr.addr, 4096, mr.lkey),), 0x1000, 7)])
+        [wc] = waiter.wait(1, timeout=4.0)  # the trickle would take 4.8 s (header) or 800 s (payload)
+        assert wc.status is WcStatus.RETRY_EXC_ERR and wc.vendor_err == VendorErr.PEER_SILENT
+    finally:
+        stop.set()
+        backend.close()
+        server.join()
+        fake.close()

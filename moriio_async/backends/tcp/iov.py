@@ -80,6 +80,14 @@ class Deadline:
     receive timeout to what is left (``end`` restores it).
     """
 
+    @classmethod
+    def after(cls, sock: socket.socket, timeout: float, nbytes: int) -> Deadline:
+        """A deadline starting now for a message with ``nbytes`` still to come."""
+        deadline = cls(sock, timeout)
+        deadline.start(timeout)
+        deadline.extend(nbytes)
+        return deadline
+
     __slots__ = ("aborted", "at", "sock", "tightened", "timeout")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
@@ -286,8 +294,9 @@ def advance_buffers(buffers: list[_B], n: int) -> list[_B]:
     return rest
 
 
-def recv_buffers(sock: socket.socket, views: list[memoryview], total: int) -> None:
-    """Fill ``views`` in order with ``total`` bytes (silence inside is a dead peer). Raises PeerGone."""
+def recv_buffers(sock: socket.socket, views: list[memoryview], total: int, deadline: Deadline | None = None) -> None:
+    """Fill ``views`` in order with ``total`` bytes (silence inside is a dead peer, and so is missing
+    ``deadline``). Raises PeerGone."""
     try:
         while total > 0:
             n = sock.recvmsg_into(views, 0, _WAITALL)[0]
@@ -295,6 +304,8 @@ def recv_buffers(sock: socket.socket, views: list[memoryview], total: int) -> No
                 raise PeerGone(VendorErr.PEER_CLOSED)
             total -= n
             if total > 0:
+                if deadline is not None:
+                    deadline.check()
                 views = advance_buffers(views, n)
     except BlockingIOError:
         raise PeerGone(VendorErr.PEER_SILENT) from None

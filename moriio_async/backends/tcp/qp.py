@@ -69,6 +69,7 @@ class TcpQueuePair(QueuePair):
         self.nonce = secrets.token_bytes(16)
         self.remote: dict[str, object] = {}
         self.pair_state = PairState(qp_num, cq, regions, hooks)
+        self.pair_state.retry_timeout = options.retry_timeout
         """The locked state the NIC threads share (public for inspection and tests)."""
         self._listener = listener
         self._options = options
