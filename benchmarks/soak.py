@@ -36,6 +36,7 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,10 +109,19 @@ def _target(size: int, plan: str, secret: str, retry_timeout: float, pipe: Any) 
 # -- the hostile process ---------------------------------------------------------------------------
 
 
-def _hostile(address: str, data_port: int, stop: Any, counts: Any) -> None:
-    """Misbehave against the target until ``stop`` is set: one attack at a time, a few per second each."""
+def _hostile(address: str, data_port: int, threads: int, stop: Any, counts: Any) -> None:
+    """Misbehave against the target until ``stop`` is set: ``threads`` attackers, one attack at a time each."""
+    workers = [threading.Thread(target=_attacker, args=(address, data_port, seed, stop, counts))
+               for seed in range(threads)]  # fmt: skip
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+def _attacker(address: str, data_port: int, seed: int, stop: Any, counts: Any) -> None:
     host, port = address.rsplit(":", 1)
-    rng = random.Random(1)
+    rng = random.Random(seed)
 
     def frame(body: bytes) -> bytes:
         return struct.pack("!I", len(body)) + body
@@ -129,13 +139,16 @@ def _hostile(address: str, data_port: int, stop: Any, counts: Any) -> None:
                 s.sendall(os.urandom(rng.randint(1, 200)))
             elif kind == "token":
                 s.sendall(struct.pack("<4sHH16sI", b"MRIO", 2, 0, os.urandom(16), 7))
-            elif kind == "trickle":
+            elif kind == "trickle":  # 28 bytes at 0.5 s each: past the hello's 10 s deadline
                 hello = struct.pack("<4sHH16sI", b"MRIO", 2, 0, os.urandom(16), 7)
-                for i in range(6):
+                for i in range(len(hello)):
                     if stop.is_set():
                         break
-                    s.sendall(hello[i : i + 1])
-                    time.sleep(0.3)
+                    try:
+                        s.sendall(hello[i : i + 1])
+                    except OSError:
+                        break  # cut at the deadline
+                    time.sleep(0.5)
             s.settimeout(2)
             try:
                 while s.recv(4096):
@@ -185,7 +198,7 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
     target.start()
     info = parent.recv()
     stop, counts = ctx.Event(), ctx.Array("q", 5)
-    hostile = ctx.Process(target=_hostile, args=(info["address"], info["data_port"], stop, counts))
+    hostile = ctx.Process(target=_hostile, args=(info["address"], info["data_port"], args.hostile, stop, counts))
     if args.hostile:
         hostile.start()
     cfg = IOEngineConfig(backend="tcp", secret=secret, retry_timeout=args.retry_timeout, transfer_timeout=30.0,
@@ -196,32 +209,38 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
         peer = await engine.connect(info["address"])
         session: Session = await engine.create_session(engine.register_memory(local, name="l"), peer.memory["kv"])
         await session.read(0, 0, BLOCK).wait(10)
-        gc.collect()
-        start = {"initiator": rss_and_fds(), "target": rss_and_fds(target.pid or 0)}
         window = asyncio.Semaphore(args.depth)
         slots = args.region // BLOCK
         rng = np.random.default_rng(7)
-        offsets = rng.integers(0, slots, size=min(args.transfers, 1 << 20)) * BLOCK
+        offsets = (rng.integers(0, slots, size=min(args.transfers, 1 << 20)) * BLOCK).tolist()
+        gc.collect()
+        start = {"initiator": rss_and_fds(), "target": rss_and_fds(target.pid or 0)}
+        samples: list[tuple[int, float, float]] = []  # (transfers issued, initiator RSS MB, target RSS MB)
+        every = max(1, args.transfers // 10)
         began = time.perf_counter()
         progress = _progress(args.transfers)
         for i in range(args.transfers):
             await window.acquire()
-            off = int(offsets[i % len(offsets)])
+            off = offsets[i % len(offsets)]
             t = session.read(off, off, BLOCK) if i & 1 else session.write(off, off, BLOCK)
             t.add_done_callback(functools.partial(books.on_end, window.release, i))
             if i % 4096 == 0:
                 progress(books.ended)
+            if i % every == every - 1:
+                mine, theirs = rss_and_fds()[0], rss_and_fds(target.pid or 0)[0]
+                samples.append((i + 1, round(mine / 2**20, 1), round(theirs / 2**20, 1)))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(books.all_ended.wait(), 60)  # what has not ended by then is lost
         progress(books.ended, final=True)
         elapsed = time.perf_counter() - began
+        stop.set()  # the hostile connections end before the last count: fds at the end are what stays
+        if args.hostile:
+            await asyncio.to_thread(hostile.join, 30)
+        await asyncio.sleep(0.5)
         gc.collect()
         end = {"initiator": rss_and_fds(), "target": rss_and_fds(target.pid or 0)}
         initiator_stats = engine.statistics()
         await session.close()
-    stop.set()
-    if args.hostile:
-        hostile.join(10)
     parent.send("stop")
     target_report = parent.recv()
     target.join(10)
@@ -238,6 +257,7 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
         "hostile_attempts": dict(zip(["rogue-hello", "nested", "garbage", "token", "trickle"], counts[:], strict=True)),
         "rss_mb": {who: [round(start[who][0] / 2**20, 1), round(end[who][0] / 2**20, 1)] for who in start},
         "fds": {who: [start[who][1], end[who][1]] for who in start},
+        "rss_mb_every_tenth": samples,
         "initiator": {k: initiator_stats[k] for k in ("sessions", "links", "peers", "opened_qps")},
         "target": {k: target_report["statistics"][k] for k in ("links", "peers", "answering_qps", "rogue_hellos",
                                                                  "bad_frames", "auth_failures", "impersonations")},
@@ -283,6 +303,9 @@ def _print(report: dict[str, Any]) -> None:
     for who in ("initiator", "target"):
         rss, fds = report["rss_mb"][who], report["fds"][who]
         print(f"  {who}: RSS {rss[0]} -> {rss[1]} MB, fds {fds[0]} -> {fds[1]}")
+    tenths = report["rss_mb_every_tenth"]
+    print(f"  RSS (MB) each tenth of the way, initiator: {[s[1] for s in tenths]}")
+    print(f"  RSS (MB) each tenth of the way, target:    {[s[2] for s in tenths]}")
     print(f"  initiator: {report['initiator']}")
     print(f"  target: {report['target']}")
     print(f"  target data plane: {report['target_data_plane']}")
@@ -295,7 +318,7 @@ def main() -> int:
     p.add_argument("--region", type=int, default=8 << 20, help="bytes of the target's region")
     p.add_argument("--plan", help="a fault plan (JSON, e.g. examples/fault_plans/*.json), or none; default: built in")
     p.add_argument("--no-secret", action="store_true", help="engines without a shared secret")
-    p.add_argument("--no-hostile", dest="hostile", action="store_false", help="no hostile process")
+    p.add_argument("--hostile", type=int, default=4, help="hostile threads beside the soak (0: none)")
     p.add_argument("--retry-timeout", type=float, default=1.0)
     p.add_argument("--json", help="also write the report here")
     args = p.parse_args()
