@@ -42,10 +42,10 @@ The semantics every backend keeps (the conformance suite checks them):
   side's pair; the passive pair only answers (a backend may refuse posts
   on it). Before ``connect`` the runtime calls ``bind_session`` on both
   pairs: the answering (passive) pair is told so, and **never dials**
-  whatever the endpoint it is given says (a backend refuses such an
-  endpoint with ``InvalidArgument``), so a peer cannot make a target open
-  connections to addresses of its choosing; its ``connect`` does no
-  network I/O. A backend whose pairs connect with a token (TCP) derives it
+  whatever the endpoint it is given says (a backend whose connect could
+  open a connection refuses such an endpoint with ``InvalidArgument``), so
+  a peer cannot make a target open connections to addresses of its
+  choosing; its ``connect`` does no network I/O. A backend whose pairs connect with a token (TCP) derives it
   from the session key given there, so only the peer that proved the
   shared secret on that control link can connect.
 * Exports: a region is reachable by peers only once ``export_memory`` was
