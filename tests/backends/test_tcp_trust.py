@@ -265,6 +265,15 @@ def test_hellos_under_way_are_capped() -> None:
             time.sleep(0.05)
         assert status == dw.OK, "a real dial gets in once the idle connections are gone"
         sock.close()
+        t.qp.close()
+        deadline = time.monotonic() + 5
+        while _responder_threads() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _responder_threads(), "every thread the hostile connections held has ended"
+
+
+def _responder_threads() -> list[threading.Thread]:
+    return [th for th in threading.enumerate() if th.name.startswith("moriio-tcp-resp") and th.is_alive()]
 
 
 # -- deregistration and close -------------------------------------------------------------------------
