@@ -93,6 +93,7 @@ def loopback_write(backend: Backend, size: int = _LOOPBACK_BYTES, timeout: float
         r_src = backend.register_memory(memoryview(src), Access.all())
         regions.append(r_src)
         r_dst = backend.register_memory(memoryview(dst), Access.all())
+        backend.export_memory(r_dst)
         regions.append(r_dst)
         active, passive = backend.create_qp(cq), backend.create_qp(cq)
         qps += [active, passive]

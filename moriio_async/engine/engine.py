@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import mmap
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, final
 
 from ..aio.router import CompletionRouter
@@ -144,6 +144,7 @@ class IOEngine:
                 max_peers=cfg.max_peers,
             )
             self._running = _Running(backend, cq, router, peers)
+            backend.watch_access_errors(_on_loop(self.loop, peers.access_error))
             router.start()
             self._port = (await peers.listen(cfg.host, cfg.port)).port
         except BaseException:
@@ -235,9 +236,21 @@ class IOEngine:
 
     # -- memory ----------------------------------------------------------------------------------
 
-    def register_memory(self, buffer: object, name: str = "", access: Access | None = None) -> MemoryDesc:
-        """Register a writable, contiguous buffer; a ``name`` exports it to peers at ``connect``."""
-        return self._memory.register(self._require_open().backend, buffer, name, access)
+    def register_memory(
+        self, buffer: object, name: str = "", access: Access | None = None, *, export: bool | None = None
+    ) -> MemoryDesc:
+        """Register a writable, contiguous buffer; a ``name`` lists it to peers at ``connect``.
+
+        Peers reach a region only if it is exported: by default when it has a ``name``; ``export=True``
+        exports an unnamed one (whose descriptor you hand to peers yourself), ``export=False`` keeps a
+        named one local. See ``export_memory`` and README "Security".
+        """
+        return self._memory.register(self._require_open().backend, buffer, name, access, export)
+
+    def export_memory(self, desc: MemoryDesc) -> MemoryDesc:
+        """Make a registered region reachable by peers (before packing its descriptor for one); ``desc``."""
+        self._memory.export(self._require_open().backend, desc)
+        return desc
 
     def allocate_memory(self, size: int, name: str = "", access: Access | None = None) -> tuple[MemoryDesc, mmap.mmap]:
         """A zeroed buffer from the backend, registered as ``register_memory`` would: ``(desc, buffer)``.
@@ -408,3 +421,13 @@ class IOEngine:
             "access_errors": guard.access_errors,
             "suppressed_log_lines": self._guard.suppressed,
         }
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int, str], None]) -> Callable[[int, str], None]:
+    """``fn`` called on ``loop`` from a NIC thread (dropped once the loop closed)."""
+
+    def call(qp_num: int, detail: str) -> None:
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(fn, qp_num, detail)
+
+    return call

@@ -8,10 +8,12 @@ for. Each direction has a small executor of its own, and an answering connect
 holds its link's lock until its thread is done, so one link never occupies
 more than one answering worker however many ``connect_qp`` it sends.
 
-Backend note: the answering (passive) side's connect is expected not to block
-at all (it does no I/O on verbs and mock; the TCP backend is to refuse an
-endpoint that would make the passive side dial, see the hardening notes). Once
-every backend guarantees that, the answering executor can go.
+Every pair is told, before it connects, the session key of the link it is set
+up over and whether it answers (``QueuePair.bind_session``): the answering
+side never dials (the backend contract; the TCP backend refuses an endpoint
+that asks it to), and TCP derives its data-plane token from that key. The
+answering connect does no network I/O on any backend now; the answering
+executor stays as a guard for backends to come.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class PairBroker:
         """A connected pair to ``peer`` (its region ``remote``), its answering half asked for over ``link``."""
         qp = self._backend.create_qp(self._cq)
         try:
+            qp.bind_session(self._links.session_key_of(link), answering=False)
             ready = await link.request(ConnectQp(incarnation=remote.incarnation, endpoint=dict(qp.endpoint())), QpReady)
         except BaseException:
             close_quietly(qp)
@@ -117,6 +120,7 @@ class PairBroker:
         try:
             qp = self._backend.create_qp(self._cq)
             try:
+                qp.bind_session(self._links.session_key_of(link), answering=True)
                 async with asyncio.timeout(self._links.limits.timeout):
                     await _connect_off_loop(qp, request.endpoint, self._answer_pool, lock)
             except TimeoutError:

@@ -225,7 +225,7 @@ class EngineRuntime:
         return self.loop.call(self._register, buffer, device_id, keep)
 
     def _register(self, buffer: object, device_id: int, keep: object) -> MemoryDesc:
-        inner = self.aio.register_memory(buffer)
+        inner = self.aio.register_memory(buffer, export=True)  # MoRI-IO: a peer given the packed desc reaches it
         desc = MemoryDesc(
             self.key, next(self._mem_ids) & 0xFFFFFFFF, device_id, "", inner.addr, inner.length,
             MemoryLocationType.CPU, bytes(IPC_HANDLE_SIZE), -1, inner.incarnation, inner.rkey, int(inner.access),
