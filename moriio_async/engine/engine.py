@@ -18,15 +18,13 @@ import asyncio
 import contextlib
 import logging
 import mmap
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, final
 
-from ..aio.router import CompletionRouter
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
 from ..backends import open_backend
-from ..backends.base import Backend, CompletionQueue
-from ..core.auth import SECRET_ENV
+from ..backends.base import Backend
 from ..core.protocol import MAX_KEY
 from ..descriptors import EngineDesc, MemoryDesc, new_incarnation
 from ..errors import EngineClosed, InvalidArgument
@@ -37,38 +35,14 @@ from .guard import Guard
 from .handshake import Handshake
 from .inbound import InboundStatuses
 from .inbox import Inbox, Notification
-from .links import LinkLimits
 from .memory import LocalRegion, MemoryRegistry
-from .peers import PeerTable
+from .running import Running, log_trust
 from .session import Session
 from .uids import TransferUids, check_uid
 
 __all__ = ["IOEngine"]
 
 log = logging.getLogger("moriio_async")
-
-
-@final
-class _Running:
-    """What exists between ``start`` and ``close``: the backend and the collaborators built on it."""
-
-    __slots__ = ("backend", "cq", "peers", "router", "stopped")
-
-    def __init__(self, backend: Backend, cq: CompletionQueue, router: CompletionRouter, peers: PeerTable) -> None:
-        self.backend = backend
-        self.cq = cq
-        self.router = router
-        self.peers = peers
-        self.stopped = False
-
-    async def stop(self) -> None:
-        """Links and listener, then the completion path, then the queue (once)."""
-        if self.stopped:
-            return
-        self.stopped = True
-        await self.peers.close()
-        self.router.close()
-        self.cq.close()
 
 
 @final
@@ -92,7 +66,7 @@ class IOEngine:
         self._started = False
         self._backend: Backend | None = None
         """The open backend (``cli/faults.py`` installs its hooks here until they move to ``backend_extra``)."""
-        self._running: _Running | None = None
+        self._running: Running | None = None
         """The collaborators of the current (or last) run; kept after close for ``statistics``."""
         self._memory = MemoryRegistry(key, self.incarnation)
         self._sessions: set[Session] = set()
@@ -119,63 +93,30 @@ class IOEngine:
             None, open_backend, cfg.backend, cfg.backend_options()
         )
         self._running = None
-        cq: CompletionQueue | None = None
         try:
-            cq = backend.create_cq(max(1024, cfg.sq_depth * 8))
-            router = CompletionRouter(self.loop, cq)
-            peers = PeerTable(
-                self.key,
-                self.incarnation,
-                backend=backend,
-                cq=cq,
+            self._running = Running.open(
+                self.loop,
+                backend,
+                key=self.key,
+                incarnation=self.incarnation,
+                config=cfg,
                 memory=self._memory,
                 inbox=self._inbox,
                 inbound=self._inbound,
-                limits=LinkLimits(
-                    max_frame=cfg.max_frame,
-                    timeout=cfg.control_timeout,
-                    max_links=cfg.max_links,
-                    max_links_per_address=cfg.max_links_per_address,
-                    idle_timeout=cfg.link_idle_timeout,
-                    max_answering_per_link=cfg.max_answering_qps_per_link,
-                ),
                 handshake=Handshake(self._secret, max_key=cfg.max_key),
                 guard=self._guard,
-                max_peers=cfg.max_peers,
             )
-            self._running = _Running(backend, cq, router, peers)
-            backend.watch_access_errors(_on_loop(self.loop, peers.access_error))
+            router, peers = self._running.router, self._running.peers
             router.start()
             self._port = (await peers.listen(cfg.host, cfg.port)).port
         except BaseException:
-            if self._running is None and cq is not None:
-                cq.close()
             await self._teardown()
             self._started = False
             raise
         self.closed = False
         log.info("engine %s listening on %s (backend %s)", self.key, self.address, backend.name)
-        self._log_trust(peers)
+        log_trust(self.key, self.address, authenticated=self._secret is not None, loopback_only=peers.loopback_only)
         return self
-
-    def _log_trust(self, peers: PeerTable) -> None:
-        if self._secret is not None:
-            log.info("engine %s: peers must prove the shared secret in the hello", self.key)
-            return
-        log.info(
-            "engine %s accepts unauthenticated peers: set IOEngineConfig.secret or $%s on every engine to require "
-            "a shared secret",
-            self.key,
-            SECRET_ENV,
-        )
-        if not peers.loopback_only:
-            log.warning(
-                "engine %s listens on %s, reachable beyond this host, WITHOUT a shared secret: any process that can "
-                "connect may list, read and write its exported memory; set IOEngineConfig.secret or $%s",
-                self.key,
-                self.address,
-                SECRET_ENV,
-            )
 
     def _new_inbox(self) -> Inbox:
         return Inbox(self.config.max_notifications, self.config.max_notification_bytes)
@@ -211,7 +152,7 @@ class IOEngine:
         if backend is not None:
             await asyncio.get_running_loop().run_in_executor(None, backend.close)
 
-    def _require_open(self) -> _Running:
+    def _require_open(self) -> Running:
         if self.closed or self._running is None:
             raise EngineClosed(f"engine {self.key!r} is not running", hint="use `async with IOEngine(...)`")
         return self._running
@@ -252,14 +193,16 @@ class IOEngine:
         self._memory.export(self._require_open().backend, desc)
         return desc
 
-    def allocate_memory(self, size: int, name: str = "", access: Access | None = None) -> tuple[MemoryDesc, mmap.mmap]:
+    def allocate_memory(
+        self, size: int, name: str = "", access: Access | None = None, *, export: bool | None = None
+    ) -> tuple[MemoryDesc, mmap.mmap]:
         """A zeroed buffer from the backend, registered as ``register_memory`` would: ``(desc, buffer)``.
 
         On the cma backend it is a memfd that same-host peers map and copy with memcpy; elsewhere
         an anonymous mapping. ``np.frombuffer(buffer, np.uint8)`` views it as an array.
         """
         buffer = self._require_open().backend.allocate_buffer(size)
-        return self.register_memory(buffer, name, access), buffer
+        return self.register_memory(buffer, name, access, export=export), buffer
 
     def deregister_memory(self, desc: MemoryDesc) -> None:
         """Deregister now; ``MemoryInUse`` if transfers on it are in flight (see ``release_memory``)."""
@@ -421,13 +364,3 @@ class IOEngine:
             "access_errors": guard.access_errors,
             "suppressed_log_lines": self._guard.suppressed,
         }
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int, str], None]) -> Callable[[int, str], None]:
-    """``fn`` called on ``loop`` from a NIC thread (dropped once the loop closed)."""
-
-    def call(qp_num: int, detail: str) -> None:
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(fn, qp_num, detail)
-
-    return call

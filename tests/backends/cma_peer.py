@@ -51,6 +51,7 @@ def target(size: int, shared: bool, undumpable: bool) -> None:
     else:
         buf = np.zeros(size, np.uint8)
         mr = backend.register_memory(memoryview(buf), Access.all())
+    backend.export_memory(mr)  # peers reach only exported regions
     qp.connect(json.loads(sys.stdin.readline()))
     say({"endpoint": dict(qp.endpoint()), "addr": mr.addr, "rkey": mr.rkey, "length": mr.length})
     sys.stdin.readline()

@@ -55,6 +55,7 @@ def eventually(predicate: Any, timeout: float = WAIT) -> bool:
 def shared_region(pair: Pair, size: int) -> tuple[MemoryRegion, np.ndarray]:
     """A memfd allocation on the target side, registered; and a uint8 array over it."""
     mr = cma(pair.b.backend).allocate_memory(size)
+    pair.b.backend.export_memory(mr)  # peers reach only exported regions
     pair.b.regions.append(mr)
     return mr, np.frombuffer(mr.view, dtype=np.uint8)
 
@@ -343,3 +344,20 @@ def test_a_bad_message_ends_only_its_own_connection(pairs: PairFactory) -> None:
         assert np.array_equal(pair.a.buf[:4096], pair.b.buf[:4096])
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize("opcode", [Opcode.RDMA_WRITE, Opcode.RDMA_READ])
+def test_a_region_is_reachable_only_once_exported(pairs: PairFactory, opcode: Opcode) -> None:
+    """As on tcp: a peer's request for a registered but unexported region is refused and touches nothing."""
+    pair = pairs(1 << 20, 1 << 20)
+    hidden = pair.b.register(pair.b.buf, Access.all(), export=False)
+    pair.a.buf[:] = 0xCD
+    before_a, before_b = pair.a.buf.copy(), pair.b.buf.copy()
+    wcs = pair.run([to(hidden, pair, 0, opcode, [(0, 4096)], 0)], expect=1)
+    assert statuses(wcs) == [WcStatus.REM_ACCESS_ERR]
+    assert np.array_equal(pair.a.buf, before_a) and np.array_equal(pair.b.buf, before_b)
+    pair.b.backend.export_memory(hidden)
+    again = pairs(1 << 20, 1 << 20)
+    shown = again.b.register(again.b.buf, Access.all(), export=False)
+    again.b.backend.export_memory(shown)
+    assert all(wc.ok for wc in again.run([to(shown, again, 0, opcode, [(0, 4096)], 0)]))

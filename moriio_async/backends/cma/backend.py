@@ -97,12 +97,18 @@ class CmaBackend(Backend):
         self._check_open()
         region = self.local.register(buffer, access)
         try:
-            region.rkey = self.table.publish(region.addr, region.length, table_flags(access), region.alloc,
+            # Published live but with no remote access bits: until ``export_memory`` a peer's check
+            # refuses it (REM_ACCESS_ERR), as on tcp, where an unexported rkey is unknown.
+            region.rkey = self.table.publish(region.addr, region.length, table_flags(Access(0)), region.alloc,
                                              region.alloc_off)  # fmt: skip
         except BaseException:
             self.local.remove(region)
             raise
         return region
+
+    def export_memory(self, region: MemoryRegion) -> None:
+        """From now on peers' checks grant ``region`` the remote access it was registered with."""
+        self.table.grant(region.rkey, table_flags(region.access))
 
     def deregister_memory(self, region: MemoryRegion) -> None:
         """Revoke the region: every initiator's next check fails (one store in the shared table).

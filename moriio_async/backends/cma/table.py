@@ -96,12 +96,20 @@ class RegionTable:
         rec["rkey"][slot] = rkey
         return rkey
 
+    def grant(self, rkey: int, flags: int) -> None:
+        """Set a live region's access bits (its export); a revoked or unknown key stays as it is."""
+        slot = rkey & _MASK
+        with self._lock:
+            if int(self.records["rkey"][slot]) == rkey and int(self.records["flags"][slot]):
+                self.records["flags"][slot] = flags
+
     def revoke(self, rkey: int) -> bool:
         """Make ``rkey`` fail every later check (one store). False when it is not live."""
         slot = rkey & _MASK
-        if int(self.records["rkey"][slot]) != rkey:
-            return False
-        self.records["flags"][slot] = 0
+        with self._lock:  # against a racing ``grant`` re-opening what was just revoked
+            if int(self.records["rkey"][slot]) != rkey:
+                return False
+            self.records["flags"][slot] = 0
         return True
 
     def release(self, rkey: int) -> None:
