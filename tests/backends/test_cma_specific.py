@@ -281,6 +281,7 @@ class FakeInitiator:
         os.close(fd)
         self.inuse = InUse()
         wire.send(self.sock, self.msg(wire.Kind.READY), self.inuse.fd)
+        assert wire.MSG.unpack(wire.receive(self.sock)[0])[1] == wire.Kind.ESTABLISHED
         # The target answers a request only once it has taken the connection as an initiator's.
         wire.send(self.sock, self.msg(wire.Kind.NEED, 12345))
         assert wire.MSG.unpack(wire.receive(self.sock)[0])[1] == wire.Kind.FD

@@ -276,6 +276,13 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
             inuse.close()
             view.close()
             raise PeerError(f"qp {qp_num}: pid {pid}'s probe does not match: not the process that answered")
+        # Wait until the target has taken the in-use page: before that, a deregistration there would
+        # not wait for a copy of ours, and the pair is not up on both sides (its fds not yet there).
+        data, _ = receive(sock)
+        if len(data) != MSG.size or MSG.unpack(data)[1] != Kind.ESTABLISHED:
+            inuse.close()
+            view.close()
+            raise ProtocolError("no 'established' after ready")
         sock.settimeout(None)
         return TargetLink(sock, pid, view, inuse)
     except ProtocolError as exc:

@@ -89,6 +89,17 @@ class Connection:
             log.warning("cma: initiator pid %d is not taking revocations; cutting it off", self.pid)
             self.shutdown()
 
+    def establish(self, pid: int) -> None:
+        """Count the initiator in revocations, then tell it the pair is up (nothing of ours precedes it).
+
+        Under the send lock, so a revocation racing this is sent after ``established``, which the
+        initiator waits for before its ``connect`` returns: once it has, the target holds its in-use
+        page and includes it in every deregistration's wait.
+        """
+        with self._send_lock:
+            self.pid = pid
+            send(self.sock, MSG.pack(MAGIC, Kind.ESTABLISHED, 0, VERSION, 0, 0, 0))
+
     def shutdown(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -323,5 +334,5 @@ class TargetPort:
             passive.detach()
             log.info("cma: initiator pid %d cannot attach to this process (%s)", cred.pid, os.strerror(status))
             return None
-        conn.pid = cred.pid
+        conn.establish(cred.pid)
         return passive

@@ -11,6 +11,7 @@ connection carries only what makes that safe::
                                             start time, boot id (16), probe address, probe nonce (16),
                                             table slots; with the region table's memfd (SCM_RIGHTS)
     ready    initiator -> target  24 bytes  status 0, or the errno of the probe read (then it closes)
+    established target -> initiator 24 bytes  the target holds the in-use page: ``connect`` returns
     revoke   target -> initiator  24 bytes  a = serial, b = rkey: a region was deregistered
     ack      initiator -> target  24 bytes  a = serial: nothing of that region moves any more
     need     initiator -> target  24 bytes  a = allocation id: pass me its memfd
@@ -67,6 +68,7 @@ class Kind(enum.IntEnum):
     ACK = 5
     NEED = 6
     FD = 7
+    ESTABLISHED = 8
 
 
 class Status(enum.IntEnum):
