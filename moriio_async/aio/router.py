@@ -91,11 +91,21 @@ class CompletionRouter:
         self._reader.kick()
 
     def _dispatch(self, wcs: list[WorkCompletion]) -> None:
+        # Every completion of the poll is accounted first, then each channel posts once: the slots
+        # freed by the whole poll go out as one chunk per channel, not one small chunk per completion.
         channels = self._channels
+        touched: list[QpChannel] = []
+        last: QpChannel | None = None
         for wc in wcs:
             channel = channels.get(wc.qp_num)
             if channel is not None:
-                channel.on_completion(wc)
+                channel.account(wc)
+                if channel is not last:
+                    last = channel
+                    if channel not in touched:
+                        touched.append(channel)
+        for channel in touched:
+            channel.resume()
 
     def drain(self) -> int:
         """Dispatch every completion already in the queue now; how many there were (0 once closed)."""
