@@ -77,17 +77,18 @@ class Job:
         job = cls.__new__(cls)
         job.transfer = transfer
         v = np.array((remote_addr, size, local_addr), dtype=np.uint64)
+        keys = np.array((rkey, lkey), dtype=np.uint32)
         job._batch = WorkBatch(
             0,
             _READ_ONE if opcode is _READ else _WRITE_ONE,
             v[0:1],
-            np.array((rkey,), dtype=np.uint32),
+            keys[0:1],
             v[1:2],
             _NOT_SIGNALED_ONE,
             _SGE_START_ONE,
             v[2:3],
             v[1:2],
-            np.array((lkey,), dtype=np.uint32),
+            keys[1:2],
         )
         return job
 

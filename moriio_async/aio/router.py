@@ -47,7 +47,9 @@ class CompletionRouter:
     def __init__(self, loop: asyncio.AbstractEventLoop, cq: CompletionQueue, *, batch: int = 64) -> None:
         self.loop = loop
         self._channels: dict[int, QpChannel] = {}
-        self._outstanding: set[Transfer] = set()
+        # transfer -> what it pins; one bound method ends them all (no closure per transfer).
+        self._outstanding: dict[Transfer, Pinned] = {}
+        self._on_ended = self._ended
         self._ids = itertools.count(1)
         self._drains = 0
         self._closed = False
@@ -121,14 +123,13 @@ class CompletionRouter:
 
     def track(self, transfer: Transfer, pinned: Pinned) -> None:
         """Count ``transfer`` as outstanding until it ends; then release ``pinned``."""
-        self._outstanding.add(transfer)
-        outstanding = self._outstanding
+        self._outstanding[transfer] = pinned
+        transfer.add_done_callback(self._on_ended)
 
-        def ended(t: Transfer) -> None:
-            outstanding.discard(t)
+    def _ended(self, transfer: Transfer) -> None:
+        pinned = self._outstanding.pop(transfer, None)
+        if pinned is not None:
             pinned.unpin()
-
-        transfer.add_done_callback(ended)
 
     @property
     def outstanding(self) -> int:

@@ -154,6 +154,12 @@ def check_block(
     local_offset: int, remote_offset: int, size: int, local_length: int, remote_length: int
 ) -> tuple[int, int, int]:
     """One block, checked as ``check_arrays`` checks each block, with plain ints (the single read/write)."""
+    if type(local_offset) is int and type(remote_offset) is int and type(size) is int:
+        if size <= 0 or local_offset < 0 or remote_offset < 0:
+            _raise_for_block(0, local_offset, remote_offset, size, local_length, remote_length)
+        if local_offset + size > local_length or remote_offset + size > remote_length:
+            _raise_for_block(0, local_offset, remote_offset, size, local_length, remote_length)
+        return local_offset, remote_offset, size
     values = []
     for what, v in (("local_offset", local_offset), ("remote_offset", remote_offset), ("size", size)):
         if type(v) is not int:

@@ -40,7 +40,7 @@ _LAST_ONLY = np.ones(1, dtype=np.bool_)
 _LAST_ONLY.flags.writeable = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen field costs an object.__setattr__, on every post
 class Chunk(Generic[T]):
     """Requests ``start:stop`` of ``owner`` to post now as wr_ids ``wr_id...``, with their signal flags."""
 
