@@ -203,4 +203,4 @@ def independent(src: MockRegion, dst: MockRegion, dst_off: npt.NDArray[np.intp] 
     if src.addr < dst.addr + dst.length and dst.addr < src.addr + src.length:
         return False
     starts = np.sort(dst_off)
-    return bool((np.diff(starts) >= length).all())
+    return bool(np.logical_and.reduce(np.subtract(starts[1:], starts[:-1]) >= length))
