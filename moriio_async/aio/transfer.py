@@ -229,7 +229,7 @@ class Transfer:
         if outcome is None or self._done:
             return
         if outcome.add(count, status, vendor_err, qp_num):
-            if outcome.code is StatusCode.SUCCESS:
+            if outcome.wc_status is WcStatus.SUCCESS:
                 self._finish(StatusCode.SUCCESS, "")
             else:
                 self._finish(
