@@ -36,7 +36,14 @@ class _Waiter:
         self.failed: list[TransferFailed] = []
         self.closed = False
         self.deadline = deadline
-        self.timer = None if deadline is None else loop.call_at(deadline, self.on_timer)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Start the deadline timer. Called last, just before the wait sleeps: uvloop starts a timer
+        from the time its loop iteration began, so work done after ``call_at`` in the same iteration
+        would make the timer that much late (asyncio's timers are absolute either way)."""
+        if self.deadline is not None:
+            self.timer = self.loop.call_at(self.deadline, self.on_timer)
 
     def ended(self, t: Transfer) -> None:
         self.pending -= 1
@@ -103,6 +110,7 @@ async def waiting_for_transfer_complete(
         drainers = _drains(pending)
         try:
             if timeout is None or timeout > 0:
+                waiter.arm()
                 await waiter.future
             ended_by_failure = fail_fast and bool(waiter.failed)
             if waiter.pending:
