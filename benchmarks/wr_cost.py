@@ -206,7 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wrs", type=int, default=16384, help="work requests per row (about)")
     ap.add_argument("--profile", action="store_true", help="cProfile the rows and split CPU by layer")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument(
+        "--mock-no-copy",
+        action="store_true",
+        help="diagnostic: the mock skips the byte copy of uniform chunks (the runtime's cost without the bytes)",
+    )
     args = ap.parse_args(argv)
+    if args.mock_no_copy:
+        from moriio_async.backends.mock import qp as mock_qp
+
+        mock_qp.copy_equal = lambda *_: None  # type: ignore[assignment]
     rows: list[dict[str, Any]] = []
     for backend in args.backends.split(","):
         for procs in (int(p) for p in args.procs.split(",")):
