@@ -147,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     qa.connect(json.loads(json.dumps(dict(qb.endpoint()))))
     local, remote = np.ones(REGION, np.uint8), np.full(REGION, 2, np.uint8)  # touched: no page faults timed
     mr_a, mr_b = a.register_memory(memoryview(local), Access.all()), b.register_memory(memoryview(remote), Access.all())
+    b.export_memory(mr_b)
     rng = np.random.default_rng(1)
     print(f"{args.backend} backend driven directly, both ends in one process; python {sys.version.split()[0]}")
     print(f"{'size':>6} {'batch':>5} {'op':>5} {'GB/s':>7} {'raw GB/s':>8} {'ratio':>6} {'cpu/WR us':>9} "

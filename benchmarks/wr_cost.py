@@ -3,13 +3,21 @@
     python benchmarks/wr_cost.py                                 # the grid below, mock and tcp
     python benchmarks/wr_cost.py --backends mock --sizes 4K --blocks 1024 --profile
     python benchmarks/wr_cost.py --json out.json
+    python benchmarks/wr_cost.py --backends mock --procs 1 --sizes 4K --blocks 1 --uids   # uid vs none
+    python benchmarks/wr_cost.py --against /tmp/base-tree --rounds 8      # single-op row: this tree vs another
 
 Each row issues ``batch_write``s (then ``batch_read``s) of N non-contiguous
 blocks (gaps on both sides, so nothing merges and every block is its own work
 request) and reports, per work request: CPU time of the initiator's process
 (both engines when they share it) and of the target process (two-process
 rows), and wall time. Two batches stay in flight. The single-op row keeps 64
-one-block ``write``s in flight, as a serving loop does, and reports ops/s.
+one-block ``write``s in flight, as a serving loop does, and reports ops/s;
+with ``--uids`` it runs again with a fresh transfer uid per write (each one
+then sends its target a ``done`` notice), alternating rounds with the plain
+row, and prints the ratio of the two. ``--against TREE`` runs the single-op
+row (mock, one process) in child processes alternating between that source
+tree (e.g. a ``git archive`` of an earlier commit) and this one, and prints
+the median ratio of CPU per write (this tree / that one).
 
 ``--profile`` runs the mock row under cProfile and splits its CPU time by
 layer (core, aio, engine, each backend, numpy, the event loop). Figures are
@@ -26,7 +34,10 @@ import json
 import multiprocessing as mp
 import os
 import pstats
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -85,20 +96,23 @@ async def run_batches(session: Session, op: str, lo: np.ndarray, ro: np.ndarray,
         await t
 
 
-async def run_singles(session: Session, size: int, n: int, depth: int = 64) -> None:
+async def run_singles(session: Session, size: int, n: int, depth: int = 64, uids: IOEngine | None = None) -> None:
     window: collections.deque[Transfer] = collections.deque()
     span = 2 * size * depth
     for i in range(n):
         if len(window) >= depth:
             await window.popleft()
         off = (i * 2 * size) % span
-        window.append(session.write(off, off, size))
+        if uids is None:
+            window.append(session.write(off, off, size))
+        else:
+            window.append(session.write(off, off, size, uid=uids.allocate_transfer_uid()))
     for t in window:
         await t
 
 
 async def measure(
-    backend: str, procs: int, size: int, blocks: int, target_wrs: int, profile: bool
+    backend: str, procs: int, size: int, blocks: int, target_wrs: int, profile: bool, uids: bool = False
 ) -> list[dict[str, Any]]:
     """Rows for one (backend, procs, size, blocks): write and read (or the single-op row when blocks == 1)."""
     lo, ro, sz, nbytes = layout(blocks, size)
@@ -124,7 +138,7 @@ async def measure(
         local = init.register_memory(np.ones(nbytes, dtype=np.uint8), name="")
         peer = await init.connect(address)
         session = await init.create_session(local, peer.memory["buf"])
-        ops = ["write"] if blocks == 1 else ["write", "read"]
+        ops = (["write", "write+uid"] * 3 if uids else ["write"]) if blocks == 1 else ["write", "read"]
         for op in ops:
             n = max(4, target_wrs // blocks)
             if blocks == 1:
@@ -138,7 +152,7 @@ async def measure(
             if prof is not None:
                 prof.enable()
             if blocks == 1:
-                await run_singles(session, size, n)
+                await run_singles(session, size, n, uids=init if op == "write+uid" else None)
             else:
                 await run_batches(session, op, lo, ro, sz, n)
             if prof is not None:
@@ -150,7 +164,7 @@ async def measure(
             row = {
                 "backend": backend,
                 "procs": procs,
-                "op": op if blocks > 1 else "single write, 64 in flight",
+                "op": op if blocks > 1 else f"single {op}, 64 in flight",
                 "size": size,
                 "blocks": blocks,
                 "wrs": wrs,
@@ -205,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", nargs="+", type=int, default=[1, 64, 1024])
     ap.add_argument("--wrs", type=int, default=16384, help="work requests per row (about)")
     ap.add_argument("--profile", action="store_true", help="cProfile the rows and split CPU by layer")
+    ap.add_argument("--uids", action="store_true", help="single-op rows also with a transfer uid per write")
+    ap.add_argument("--against", help="a source tree to compare the single-op row with (before/after)")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds per tree with --against")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument(
         "--mock-no-copy",
@@ -216,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         from moriio_async.backends.mock import qp as mock_qp
 
         mock_qp.copy_equal = lambda *_: None  # type: ignore[assignment]
+    if args.against:
+        return compare_trees(args.against, args.rounds, args.wrs)
     rows: list[dict[str, Any]] = []
     for backend in args.backends.split(","):
         for procs in (int(p) for p in args.procs.split(",")):
@@ -223,20 +242,52 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # the mock NIC connects engines of one process only
             for size in (parse_size(s) for s in args.sizes):
                 for blocks in args.blocks:
-                    got = asyncio.run(measure(backend, procs, size, blocks, args.wrs, args.profile))
+                    got = asyncio.run(measure(backend, procs, size, blocks, args.wrs, args.profile, args.uids))
                     for row in got:
                         print_row(row)
                     rows += got
+                    if args.uids and blocks == 1:
+                        print_uid_ratio(got)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
 
 
+def compare_trees(other: str, rounds: int, wrs: int) -> int:
+    """The single-op row in child processes, alternating ``other``'s package and this one's (each round's
+    ratio pairs the two runs next to each other)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cpu: dict[str, list[float]] = {other: [], here: []}
+    argv = ["--backends", "mock", "--procs", "1", "--sizes", "4K", "--blocks", "1", "--wrs", str(wrs)]
+    for i in range(rounds):
+        for tree in (other, here) if i % 2 == 0 else (here, other):  # ABBA: neither always runs first
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                env = {**os.environ, "PYTHONPATH": tree}
+                subprocess.run([sys.executable, __file__, *argv, "--json", out.name], env=env, check=True,
+                               stdout=subprocess.DEVNULL)  # fmt: skip
+                with open(out.name) as f:
+                    cpu[tree].append(json.load(f)[0]["cpu_us_per_wr"])
+    ratios = [h / o for h, o in zip(cpu[here], cpu[other], strict=True)]
+    for tree, values in cpu.items():
+        print(f"{tree}: cpu us/wr {' '.join(f'{v:.1f}' for v in values)}  median {statistics.median(values):.2f}")
+    per_round = " ".join(f"{r:.3f}" for r in ratios)
+    print(f"this tree / {other}, per round: {per_round}  median {statistics.median(ratios):.3f}")
+    return 0
+
+
+def print_uid_ratio(rows: list[dict[str, Any]]) -> None:
+    """Median CPU per write with a uid over without, from the alternating rounds of one run."""
+    plain = sorted(r["cpu_us_per_wr"] for r in rows if "uid" not in r["op"])
+    with_uid = sorted(r["cpu_us_per_wr"] for r in rows if "uid" in r["op"])
+    ratio = with_uid[len(with_uid) // 2] / plain[len(plain) // 2]
+    print(f"      uid / no uid, median cpu per write: {ratio:.3f}", flush=True)
+
+
 def print_row(r: dict[str, Any]) -> None:
     target = f" target {r['target_cpu_us_per_wr']:6.2f}" if r["target_cpu_us_per_wr"] is not None else " " * 14
     print(
-        f"{r['backend']:5} {r['procs']}p {r['op']:27} {r['size'] >> 10:5}K x{r['blocks']:<5}"
+        f"{r['backend']:5} {r['procs']}p {r['op']:31} {r['size'] >> 10:5}K x{r['blocks']:<5}"
         f" cpu {r['cpu_us_per_wr']:6.2f} us/wr{target}  wall {r['wall_us_per_wr']:6.2f} us/wr"
         f"  {r['ops_per_s'] / 1e3:7.1f}k wr/s {r['gb_per_s']:6.2f} GB/s",
         flush=True,

@@ -50,4 +50,4 @@ async def _loop_errors_fail_the_test() -> AsyncIterator[None]:
 
 def engine_backends() -> list[str]:
     """Backends the engine-level suite runs against (MORIIO_TEST_ENGINE_BACKENDS, comma list)."""
-    return [b for b in os.environ.get("MORIIO_TEST_ENGINE_BACKENDS", "mock,tcp").split(",") if b]
+    return [b for b in os.environ.get("MORIIO_TEST_ENGINE_BACKENDS", "mock,tcp,cma").split(",") if b]

@@ -36,6 +36,7 @@ from ..core.protocol import (
     Challenge,
     CloseQp,
     ConnectQp,
+    Done,
     Exports,
     Hello,
     ListMemory,
@@ -109,6 +110,9 @@ class ControlLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._read_task: asyncio.Task[None] | None = None
         self._in_notice = False
+        self._later: list[bytes] = []
+        """Encoded notices ``post_soon`` queued for one write at the end of this loop iteration."""
+        self._later_bytes = 0
         self._settling: asyncio.Task[None] | None = None
         self.closed = False
         self.last_activity = asyncio.get_running_loop().time()
@@ -131,6 +135,14 @@ class ControlLink:
     def busy(self) -> bool:
         """Something is under way on the link: a request either way, or a notice waiting for room."""
         return bool(self._replies or self._tasks or self._in_notice)
+
+    @property
+    def backlog(self) -> int:
+        """Bytes written and not yet taken by the transport, or queued by ``post_soon`` (a peer that stops
+        reading makes it grow)."""
+        if self.closed:
+            return 0
+        return self._writer.transport.get_write_buffer_size() + self._later_bytes
 
     async def read_message(self, *, idle_ok: bool) -> Message | None:
         """One message, or None at a clean end of stream.
@@ -171,11 +183,38 @@ class ControlLink:
             return False
         return True
 
-    def _write(self, message: Message) -> None:
+    def post_soon(self, notice: Notice) -> bool:
+        """Like ``post``, but written together with the other notices posted in this loop iteration: one
+        write (one send) for a burst. Anything written on the link meanwhile goes after them, so the
+        order of messages is kept. False if the link is gone."""
         if self.closed or self._writer.is_closing():
+            return False
+        if not self._later:
+            asyncio.get_running_loop().call_soon(self._write_later)
+        data = encode(notice, self.max_frame)
+        self._later.append(data)
+        self._later_bytes += len(data)
+        return True
+
+    def _write_later(self) -> None:
+        if self._later:
+            with contextlib.suppress(ControlPlaneError):
+                self._write_raw(b"")
+
+    def _write(self, message: Message) -> None:
+        self._write_raw(encode(message, self.max_frame))
+
+    def _write_raw(self, data: bytes) -> None:
+        if self.closed or self._writer.is_closing():
+            self._later.clear()
+            self._later_bytes = 0
             raise ControlPlaneError(f"control link to {self.peer_address} is closed")
+        if self._later:  # notices posted earlier go first
+            data = b"".join(self._later) + data
+            self._later.clear()
+            self._later_bytes = 0
         try:
-            self._writer.write(encode(message, self.max_frame))
+            self._writer.write(data)
             self.last_activity = asyncio.get_running_loop().time()
         except RuntimeError as exc:  # uvloop: the transport closed under us
             self.close()
@@ -234,7 +273,7 @@ class ControlLink:
             self.close()
 
     async def _dispatch(self, message: Message) -> None:
-        if isinstance(message, CloseQp | Notify):
+        if isinstance(message, CloseQp | Notify | Done):
             self._in_notice = True
             try:
                 await self._handler.on_notice(self, message)

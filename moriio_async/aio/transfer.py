@@ -64,6 +64,7 @@ class Transfer:
         "id",
         "opcode",
         "peer",
+        "uid",
     )
 
     def __init__(
@@ -77,8 +78,11 @@ class Transfer:
         sizes: Sequence[int] | npt.NDArray[np.int64],
         *,
         drainer: Drainer | None = None,
+        uid: int | None = None,
     ) -> None:
         self.id = transfer_id
+        self.uid = uid
+        """The caller's transfer uid (announced to the target when the transfer ends), or None."""
         self.opcode = opcode
         self.peer = peer
         # Kept as given (arrays on the data path): tuples are made only if someone asks.

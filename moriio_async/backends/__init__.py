@@ -16,6 +16,7 @@ BACKENDS = {
     "tcp": "moriio_async.backends.tcp",
     "verbs": "moriio_async.backends.verbs",
     "mock": "moriio_async.backends.mock",
+    "cma": "moriio_async.backends.cma",
 }
 
 

@@ -40,7 +40,19 @@ The semantics every backend keeps (the conformance suite checks them):
   pair, ``connect``s it to that endpoint and answers with its own endpoint;
   then the active side ``connect``s. The runtime posts only on the active
   side's pair; the passive pair only answers (a backend may refuse posts
-  on it).
+  on it). Before ``connect`` the runtime calls ``bind_session`` on both
+  pairs: the answering (passive) pair is told so, and **never dials**
+  whatever the endpoint it is given says (a backend whose connect could
+  open a connection refuses such an endpoint with ``InvalidArgument``), so
+  a peer cannot make a target open connections to addresses of its
+  choosing; its ``connect`` does no network I/O. A backend whose pairs connect with a token (TCP) derives it
+  from the session key given there, so only the peer that proved the
+  shared secret on that control link can connect.
+* Exports: a region is reachable by peers only once ``export_memory`` was
+  called for it (the engine exports regions registered with a name, or
+  explicitly). A backend that can refuse the rest at the target does
+  (TCP: an unexported region's rkey is unknown on its data plane); others
+  rely on rkeys reaching only the peers given the descriptor.
 * Calls may block only where documented: ``QueuePair.connect`` (the runtime
   calls it in a worker thread) and ``Backend.close``.
 """
@@ -48,11 +60,12 @@ The semantics every backend keeps (the conformance suite checks them):
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import mmap
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..errors import MoriioError
+from ..errors import InvalidArgument, MoriioError
 from ..status import Access
 from ..work import WorkBatch, WorkCompletion, WorkRequest
 
@@ -175,6 +188,11 @@ class QueuePair(abc.ABC):
     def connect(self, remote: Endpoint) -> None:
         """Bring the pair to RTS against the peer's endpoint. May block; call off the loop."""
 
+    def bind_session(self, session_key: bytes | None, *, answering: bool) -> None:  # noqa: B027 (optional)
+        """Before ``connect``: the session key of the authenticated control link this pair is set up
+        over (None without a shared secret), and whether this is the answering (passive) side, which
+        never dials. Backends that need neither ignore it (the default)."""
+
     @abc.abstractmethod
     def post(self, batch: WorkBatch) -> None:
         """Post a batch in order; all or none (``SendQueueFull``, ``InvalidArgument``). Never blocks."""
@@ -205,6 +223,17 @@ class Backend(abc.ABC):
         ``ibv_reg_mr`` refuses it (EINVAL), so no backend accepts what another refuses.
         """
 
+    def allocate_buffer(self, size: int) -> mmap.mmap:
+        """A zeroed, page-aligned buffer of ``size`` bytes, for ``register_memory``.
+
+        The default is an anonymous private mapping. A backend that can share memory with
+        peers on the same host (cma) backs it with a memfd those peers map, so they move its
+        bytes with a plain copy.
+        """
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgument(f"allocation size must be a positive int, not {size!r}")
+        return mmap.mmap(-1, size)
+
     @abc.abstractmethod
     def deregister_memory(self, region: MemoryRegion) -> None:
         """Invalidate the region: later remote requests on it fail with REM_ACCESS_ERR.
@@ -214,6 +243,14 @@ class Backend(abc.ABC):
         (as ``ibv_dereg_mr`` does); the runtime avoids that by deregistering
         only regions with nothing in flight.
         """
+
+    def export_memory(self, region: MemoryRegion) -> None:  # noqa: B027 (optional)
+        """Make ``region`` reachable by peers (see Exports above). The default does nothing: the
+        backend cannot refuse an unexported region at the target."""
+
+    def watch_access_errors(self, listener: Callable[[int, str], None]) -> None:  # noqa: B027 (optional)
+        """Have ``listener(qp_num, detail)`` called, from a NIC thread, each time a peer's request on
+        answering pair ``qp_num`` is refused by the target's checks. The default never calls it."""
 
     @abc.abstractmethod
     def create_cq(self, depth: int) -> CompletionQueue:

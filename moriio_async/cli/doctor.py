@@ -2,7 +2,8 @@
 
 Each check prints one line (``ok``, ``warn`` or ``FAIL``) and, when something
 is wrong, one ``fix:`` line. The exit status is 0 when the chosen backend
-(``--backend verbs|tcp|auto``) can work, 1 when it cannot.
+(``--backend verbs|tcp|cma|auto``) can work, 1 when it cannot. The same-host
+checks (what cross-memory attach needs: ``doctor_cma.py``) always run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..backends.verbs.gid import choose_gid
 from ..errors import MoriioError
 from ..status import Access, Opcode
 from ..work import Sge, WorkCompletion, WorkRequest
+from .doctor_cma import check_cma
 
 __all__ = ["add_arguments", "loopback_write", "run"]
 
@@ -33,8 +35,8 @@ _LOOPBACK_BYTES = 4096
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--backend", choices=("verbs", "tcp", "auto"), default="auto",
-        help="the backend that must work for exit status 0 (auto: verbs or tcp)",
+        "--backend", choices=("verbs", "tcp", "cma", "auto"), default="auto",
+        help="the backend that must work for exit status 0 (auto: verbs or tcp; cma: same-host peers)",
     )  # fmt: skip
     parser.add_argument("--device", default=None, help="RDMA device to check (default: every device)")
     parser.add_argument("--port", type=int, default=1, help="RDMA port number (default 1)")
@@ -91,6 +93,7 @@ def loopback_write(backend: Backend, size: int = _LOOPBACK_BYTES, timeout: float
         r_src = backend.register_memory(memoryview(src), Access.all())
         regions.append(r_src)
         r_dst = backend.register_memory(memoryview(dst), Access.all())
+        backend.export_memory(r_dst)
         regions.append(r_dst)
         active, passive = backend.create_qp(cq), backend.create_qp(cq)
         qps += [active, passive]
@@ -241,7 +244,11 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
             verbs_ok = _check_loopback(report, "verbs", options)
         report.lenient = args.backend == "verbs"
         tcp_ok = _check_loopback(report, "tcp", options)
-    works = {"verbs": verbs_ok, "tcp": tcp_ok, "auto": verbs_ok or tcp_ok}[args.backend]
+    report.lenient = args.backend != "cma"  # same-host transfers are optional unless asked for
+    cma_ok = check_cma(report)
+    if cma_ok and not args.no_loopback:
+        cma_ok = _check_loopback(report, "cma", options)
+    works = {"verbs": verbs_ok, "tcp": tcp_ok, "cma": cma_ok, "auto": verbs_ok or tcp_ok}[args.backend]
     chosen = args.backend if args.backend != "auto" else ("verbs" if verbs_ok else "tcp")
     if works:
         out(f"result: backend={args.backend} can work (would use {chosen})")

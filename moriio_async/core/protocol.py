@@ -9,7 +9,7 @@ decoding a frame checks every field's type and range in one pass, with no
 - replies (``challenge``, ``welcome``, ``qp``, ``exports``, ``error``) carry
   the request's id as ``re``; an ``error`` without ``re`` answers a bad frame
   (or a connection refused at accept), and the link is closed after it;
-- notices (``close_qp``, ``notify``) carry neither and get no answer.
+- notices (``close_qp``, ``notify``, ``done``) carry neither and get no answer.
 
 The hello, with a shared secret (``core.auth``): the dialer's ``hello``
 says ``auth`` and carries its nonce; the listener answers ``challenge`` (its
@@ -40,6 +40,7 @@ __all__ = [
     "Challenge",
     "CloseQp",
     "ConnectQp",
+    "Done",
     "EngineRecord",
     "Exports",
     "Hello",
@@ -244,9 +245,25 @@ class Notify(_Message, frozen=True, kw_only=True, tag="notify"):
     data: bytes
 
 
+class Done(_Message, frozen=True, kw_only=True, tag="done"):
+    """The sender's transfer ``uid`` (one it was given a uid for) ended with status ``code``.
+
+    Sent once the transfer ended at the initiator, so after its data (for a
+    write: placed in the target's memory). The target files it per sender for
+    ``IOEngine.pop_inbound_transfer_status``.
+    """
+
+    uid: U64
+    code: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    """A ``StatusCode``: SUCCESS (0) or an error (> 10)."""
+
+    def __post_init__(self) -> None:
+        _check_u64(uid=self.uid)
+
+
 Request = Hello | Proof | ConnectQp | ListMemory
 Reply = Challenge | Welcome | QpReady | Exports | Refused
-Notice = CloseQp | Notify
+Notice = CloseQp | Notify | Done
 Message = Request | Reply | Notice
 
 M = TypeVar("M", bound=_Message)

@@ -23,7 +23,7 @@ class IOEngineConfig:
     port: int = 0
     """Control-plane port; 0 picks a free one (see ``IOEngine.address``)."""
     backend: str = "tcp"
-    """"tcp", "verbs", or "auto" (verbs when a device works, else tcp)."""
+    """"tcp", "verbs", "cma" (peers on this host), "mock", or "auto" (verbs when a device works, else tcp)."""
     transfer_timeout: float = 30.0
     """Default deadline of ``waiting_for_transfer_complete`` (vLLM's transfer_timeout)."""
     control_timeout: float = 10.0
@@ -70,6 +70,10 @@ class IOEngineConfig:
     """Bytes of notification data queued, with the same backpressure."""
     max_answering_qps_per_link: int = 256
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
+    max_inbound_statuses: int = 4096
+    """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
+    oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
+    with it, so at most ``max_peers`` times this many are kept."""
 
     def __post_init__(self) -> None:
         for name in ("transfer_timeout", "control_timeout", "retry_timeout", "abort_timeout", "link_idle_timeout"):
@@ -87,6 +91,7 @@ class IOEngineConfig:
             "max_notifications",
             "max_notification_bytes",
             "max_answering_qps_per_link",
+            "max_inbound_statuses",
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be >= 1")

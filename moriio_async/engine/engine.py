@@ -17,54 +17,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, final
 
-from ..aio.router import CompletionRouter
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
 from ..backends import open_backend
-from ..backends.base import Backend, CompletionQueue
-from ..core.auth import SECRET_ENV
+from ..backends.base import Backend
 from ..core.protocol import MAX_KEY
 from ..descriptors import EngineDesc, MemoryDesc, new_incarnation
-from ..errors import EngineClosed, InvalidArgument, MemoryInUse
-from ..status import Access
+from ..errors import EngineClosed, InvalidArgument
+from ..status import Access, StatusCode
+from .book import PeerInfo
 from .config import IOEngineConfig
 from .guard import Guard
 from .handshake import Handshake
+from .inbound import InboundStatuses
 from .inbox import Inbox, Notification
-from .links import LinkLimits
 from .memory import LocalRegion, MemoryRegistry
-from .peers import PeerInfo, PeerTable
+from .running import Running, log_trust
 from .session import Session
+from .uids import TransferUids, check_uid
 
 __all__ = ["IOEngine"]
 
 log = logging.getLogger("moriio_async")
-
-
-@final
-class _Running:
-    """What exists between ``start`` and ``close``: the backend and the collaborators built on it."""
-
-    __slots__ = ("backend", "cq", "peers", "router", "stopped")
-
-    def __init__(self, backend: Backend, cq: CompletionQueue, router: CompletionRouter, peers: PeerTable) -> None:
-        self.backend = backend
-        self.cq = cq
-        self.router = router
-        self.peers = peers
-        self.stopped = False
-
-    async def stop(self) -> None:
-        """Links and listener, then the completion path, then the queue (once)."""
-        if self.stopped:
-            return
-        self.stopped = True
-        await self.peers.close()
-        self.router.close()
-        self.cq.close()
 
 
 @final
@@ -88,11 +66,13 @@ class IOEngine:
         self._started = False
         self._backend: Backend | None = None
         """The open backend (``cli/faults.py`` installs its hooks here until they move to ``backend_extra``)."""
-        self._running: _Running | None = None
+        self._running: Running | None = None
         """The collaborators of the current (or last) run; kept after close for ``statistics``."""
         self._memory = MemoryRegistry(key, self.incarnation)
         self._sessions: set[Session] = set()
         self._inbox = self._new_inbox()
+        self._inbound = InboundStatuses(self.config.max_inbound_statuses)
+        self._uids = TransferUids()
         self._guard = Guard()
         self._port = 0
         self.loop: asyncio.AbstractEventLoop
@@ -113,61 +93,30 @@ class IOEngine:
             None, open_backend, cfg.backend, cfg.backend_options()
         )
         self._running = None
-        cq: CompletionQueue | None = None
         try:
-            cq = backend.create_cq(max(1024, cfg.sq_depth * 8))
-            router = CompletionRouter(self.loop, cq)
-            peers = PeerTable(
-                self.key,
-                self.incarnation,
-                backend=backend,
-                cq=cq,
+            self._running = Running.open(
+                self.loop,
+                backend,
+                key=self.key,
+                incarnation=self.incarnation,
+                config=cfg,
                 memory=self._memory,
                 inbox=self._inbox,
-                limits=LinkLimits(
-                    max_frame=cfg.max_frame,
-                    timeout=cfg.control_timeout,
-                    max_links=cfg.max_links,
-                    max_links_per_address=cfg.max_links_per_address,
-                    idle_timeout=cfg.link_idle_timeout,
-                    max_answering_per_link=cfg.max_answering_qps_per_link,
-                ),
+                inbound=self._inbound,
                 handshake=Handshake(self._secret, max_key=cfg.max_key),
                 guard=self._guard,
-                max_peers=cfg.max_peers,
             )
-            self._running = _Running(backend, cq, router, peers)
+            router, peers = self._running.router, self._running.peers
             router.start()
             self._port = (await peers.listen(cfg.host, cfg.port)).port
         except BaseException:
-            if self._running is None and cq is not None:
-                cq.close()
             await self._teardown()
             self._started = False
             raise
         self.closed = False
         log.info("engine %s listening on %s (backend %s)", self.key, self.address, backend.name)
-        self._log_trust(peers)
+        log_trust(self.key, self.address, authenticated=self._secret is not None, loopback_only=peers.loopback_only)
         return self
-
-    def _log_trust(self, peers: PeerTable) -> None:
-        if self._secret is not None:
-            log.info("engine %s: peers must prove the shared secret in the hello", self.key)
-            return
-        log.info(
-            "engine %s accepts unauthenticated peers: set IOEngineConfig.secret or $%s on every engine to require "
-            "a shared secret",
-            self.key,
-            SECRET_ENV,
-        )
-        if not peers.loopback_only:
-            log.warning(
-                "engine %s listens on %s, reachable beyond this host, WITHOUT a shared secret: any process that can "
-                "connect may list, read and write its exported memory; set IOEngineConfig.secret or $%s",
-                self.key,
-                self.address,
-                SECRET_ENV,
-            )
 
     def _new_inbox(self) -> Inbox:
         return Inbox(self.config.max_notifications, self.config.max_notification_bytes)
@@ -199,10 +148,11 @@ class IOEngine:
         if running is not None:
             await running.stop()
         self._inbox.close()
+        self._inbound.fail_waiters(EngineClosed(f"engine {self.key!r} closed: no more inbound statuses"))
         if backend is not None:
             await asyncio.get_running_loop().run_in_executor(None, backend.close)
 
-    def _require_open(self) -> _Running:
+    def _require_open(self) -> Running:
         if self.closed or self._running is None:
             raise EngineClosed(f"engine {self.key!r} is not running", hint="use `async with IOEngine(...)`")
         return self._running
@@ -227,19 +177,36 @@ class IOEngine:
 
     # -- memory ----------------------------------------------------------------------------------
 
-    def register_memory(self, buffer: object, name: str = "", access: Access | None = None) -> MemoryDesc:
-        """Register a writable, contiguous buffer; a ``name`` exports it to peers at ``connect``."""
-        return self._memory.register(self._require_open().backend, buffer, name, access)
+    def register_memory(
+        self, buffer: object, name: str = "", access: Access | None = None, *, export: bool | None = None
+    ) -> MemoryDesc:
+        """Register a writable, contiguous buffer; a ``name`` lists it to peers at ``connect``.
+
+        Peers reach a region only if it is exported: by default when it has a ``name``; ``export=True``
+        exports an unnamed one (whose descriptor you hand to peers yourself), ``export=False`` keeps a
+        named one local. See ``export_memory`` and README "Security".
+        """
+        return self._memory.register(self._require_open().backend, buffer, name, access, export)
+
+    def export_memory(self, desc: MemoryDesc) -> MemoryDesc:
+        """Make a registered region reachable by peers (before packing its descriptor for one); ``desc``."""
+        self._memory.export(self._require_open().backend, desc)
+        return desc
+
+    def allocate_memory(
+        self, size: int, name: str = "", access: Access | None = None, *, export: bool | None = None
+    ) -> tuple[MemoryDesc, mmap.mmap]:
+        """A zeroed buffer from the backend, registered as ``register_memory`` would: ``(desc, buffer)``.
+
+        On the cma backend it is a memfd that same-host peers map and copy with memcpy; elsewhere
+        an anonymous mapping. ``np.frombuffer(buffer, np.uint8)`` views it as an array.
+        """
+        buffer = self._require_open().backend.allocate_buffer(size)
+        return self.register_memory(buffer, name, access, export=export), buffer
 
     def deregister_memory(self, desc: MemoryDesc) -> None:
         """Deregister now; ``MemoryInUse`` if transfers on it are in flight (see ``release_memory``)."""
-        region = self._memory.lookup(desc)
-        if region.pins:
-            raise MemoryInUse(
-                f"{region.pins} transfer(s) still use region {desc.name or hex(desc.addr)}",
-                hint="await engine.release_memory(desc) to deregister once they end, or abort their sessions first",
-            )
-        self._memory.deregister(region, self._backend)
+        self._memory.deregister_unused(desc, self._backend)
 
     async def release_memory(self, desc: MemoryDesc, timeout: float | None = None) -> None:
         """Deregister once no transfer uses the region (``TimeoutError`` leaves it registered)."""
@@ -255,8 +222,19 @@ class IOEngine:
     # -- peers -----------------------------------------------------------------------------------
 
     def register_remote_engine(self, desc: EngineDesc) -> None:
-        """MoRI-IO's explicit style: learn a peer from its packed descriptor."""
+        """MoRI-IO's explicit style: learn a peer from its packed descriptor (undoes a deregistration)."""
         self._require_open().peers.register(desc)
+
+    def deregister_remote_engine(self, peer: EngineDesc | str) -> None:
+        """Forget a peer for new work: ``create_session`` to it (and reconnecting an old session) and
+        ``notify`` raise ``InvalidArgument`` until ``connect`` or ``register_remote_engine`` names it again.
+
+        Safe with transfers in flight: open sessions keep their queue pairs and
+        their transfers end as they would; the peer's own sessions towards this
+        engine are untouched. To stop them, close (abort) those sessions.
+        Unknown keys are ignored, as in MoRI-IO.
+        """
+        self._require_open().peers.forget(peer if isinstance(peer, str) else peer.key)
 
     async def connect(self, address: str, timeout: float | None = None) -> PeerInfo:
         """Handshake with the engine at ``host:port``; return it and its exported memory."""
@@ -280,6 +258,7 @@ class IOEngine:
                 qp,
                 router=running.router,
                 peers=running.peers,
+                uids=self._uids,
                 sessions=self._sessions,
                 max_wr_bytes=self.config.max_wr_bytes,
                 abort_timeout=self.config.abort_timeout,
@@ -287,6 +266,25 @@ class IOEngine:
         except BaseException:
             running.peers.close_qp(qp)
             raise
+
+    def allocate_transfer_uid(self) -> int:
+        """A uid for a transfer call's ``uid=``, unique among this engine's transfers in flight (any thread)."""
+        return self._uids.allocate()
+
+    def announce_transfer(self, peer_key: str, uid: int, code: StatusCode = StatusCode.SUCCESS) -> None:
+        """Send peer ``peer_key`` the ``done`` notice a transfer with ``uid`` sends when it ends, without
+        a transfer: for work the caller split over several transfers, or an empty batch. No wait."""
+        self._require_open().peers.announce(peer_key, check_uid(uid), StatusCode(code))
+
+    def pop_inbound_transfer_status(self, peer_key: str, uid: int) -> StatusCode | None:
+        """Target side: the code peer ``peer_key``'s transfer ``uid`` ended with, once it ended at the
+        peer, and only once; None before (or if the peer gave the transfer no uid). Safe from any thread."""
+        return self._inbound.pop(peer_key, uid)
+
+    async def wait_inbound_transfer_status(self, peer_key: str, uid: int, timeout: float | None = None) -> StatusCode:
+        """Like ``pop_inbound_transfer_status``, waiting until the peer's notice arrives (``TimeoutError``)."""
+        async with asyncio.timeout(timeout):
+            return await self._inbound.wait(peer_key, uid)
 
     @property
     def outstanding(self) -> int:
@@ -352,6 +350,10 @@ class IOEngine:
             "opened_qps": peers.opened_qps if peers is not None else 0,
             "notifications": len(self._inbox),
             "notification_bytes": self._inbox.bytes,
+            "uids_in_flight": len(self._uids),
+            "inbound_statuses": len(self._inbound),
+            "inbound_dropped": self._inbound.dropped,
+            "done_dropped": running.peers.dropped_done if running is not None else 0,
             "authenticated": self._secret is not None,
             "refused_links": guard.refused_links,
             "idle_closed": guard.idle_closed,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..backends.base import Backend, MemoryRegion
 from ..descriptors import MemoryDesc
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MemoryInUse
 from ..status import Access
 
 __all__ = ["LocalRegion", "MemoryRegistry", "as_region_view"]
@@ -39,6 +39,8 @@ class LocalRegion:
     mr: MemoryRegion
     pins: int = 0
     live: bool = True
+    exported: bool = False
+    """Reachable by peers (``Backend.export_memory`` was called for it)."""
     _idle: list[asyncio.Future[None]] = field(default_factory=list)
 
     def pin(self) -> None:
@@ -82,14 +84,21 @@ class MemoryRegistry:
     def __len__(self) -> int:
         return self._count
 
-    def register(self, backend: Backend, buffer: object, name: str, access: Access | None) -> MemoryDesc:
+    def register(
+        self, backend: Backend, buffer: object, name: str, access: Access | None, export: bool | None = None
+    ) -> MemoryDesc:
+        """Register ``buffer``; exported to peers (``Backend.export_memory``) when ``export``, which
+        defaults to having a ``name``."""
         view = as_region_view(buffer)
         if name and any(desc.name == name for desc in self._regions):
             raise InvalidArgument(f"a region named {name!r} is already registered")
         access = Access.all() if access is None else Access(access)
         mr = backend.register_memory(view, access)
+        exported = bool(name) if export is None else export
+        if exported:
+            backend.export_memory(mr)
         desc = MemoryDesc(self._key, self._incarnation, name, mr.addr, mr.length, mr.rkey, access)
-        self._regions.setdefault(desc, []).append(LocalRegion(desc, mr))
+        self._regions.setdefault(desc, []).append(LocalRegion(desc, mr, exported=exported))
         self._count += 1
         return desc
 
@@ -113,6 +122,25 @@ class MemoryRegistry:
         if backend is not None:
             backend.deregister_memory(region.mr)
 
+    def deregister_unused(self, desc: MemoryDesc, backend: Backend | None) -> None:
+        """Drop the region ``desc`` names now; ``MemoryInUse`` while transfers pin it."""
+        region = self.lookup(desc)
+        if region.pins:
+            raise MemoryInUse(
+                f"{region.pins} transfer(s) still use region {desc.name or hex(desc.addr)}",
+                hint="await engine.release_memory(desc) to deregister once they end, or abort their sessions first",
+            )
+        self.deregister(region, backend)
+
+    def export(self, backend: Backend, desc: MemoryDesc) -> None:
+        """Make every live registration ``desc`` describes reachable by peers."""
+        regions = self._regions.get(desc)
+        if not regions:
+            raise InvalidArgument(f"{desc.name or 'region'} is not a live registration of engine {self._key!r}")
+        for region in regions:
+            backend.export_memory(region.mr)
+            region.exported = True
+
     def exported(self) -> list[MemoryDesc]:
-        """The regions registered with a name: what peers learn at ``connect``."""
-        return [desc for desc in self._regions if desc.name]
+        """The exported regions with a name: what peers learn at ``connect``."""
+        return [desc for desc, regions in self._regions.items() if desc.name and any(r.exported for r in regions)]

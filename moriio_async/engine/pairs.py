@@ -8,10 +8,12 @@ for. Each direction has a small executor of its own, and an answering connect
 holds its link's lock until its thread is done, so one link never occupies
 more than one answering worker however many ``connect_qp`` it sends.
 
-Backend note: the answering (passive) side's connect is expected not to block
-at all (it does no I/O on verbs and mock; the TCP backend is to refuse an
-endpoint that would make the passive side dial, see the hardening notes). Once
-every backend guarantees that, the answering executor can go.
+Every pair is told, before it connects, the session key of the link it is set
+up over and whether it answers (``QueuePair.bind_session``): the answering
+side never dials (the backend contract; the TCP backend refuses an endpoint
+that asks it to), and TCP derives its data-plane token from that key. The
+answering connect does no network I/O on any backend now; the answering
+executor stays as a guard for backends to come.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Opened:
     incarnation: int
     remote_qp: int
     """The peer's answering pair, as ``close_qp`` names it."""
+    link: ControlLink
+    """The link it was asked for over: the peer closes its answering half when that link closes."""
 
 
 class PairBroker:
@@ -72,6 +76,7 @@ class PairBroker:
         """A connected pair to ``peer`` (its region ``remote``), its answering half asked for over ``link``."""
         qp = self._backend.create_qp(self._cq)
         try:
+            qp.bind_session(self._links.session_key_of(link), answering=False)
             ready = await link.request(ConnectQp(incarnation=remote.incarnation, endpoint=dict(qp.endpoint())), QpReady)
         except BaseException:
             close_quietly(qp)
@@ -81,9 +86,14 @@ class PairBroker:
         except BaseException:
             link.post(CloseQp(qp=ready.qp))  # the answering pair waits for a pair that will never come
             raise
-        self._opened[qp.qp_num] = Opened(qp, peer.key, peer.incarnation, ready.qp)
+        self._opened[qp.qp_num] = Opened(qp, peer.key, peer.incarnation, ready.qp, link)
         self._links.note_opened(link, qp.qp_num)
         return qp
+
+    def usable(self, qp: QueuePair) -> bool:
+        """``qp`` is open, and so is the link its answering half is kept with (else the peer closed that half)."""
+        opened = self._opened.get(qp.qp_num)
+        return opened is not None and opened.qp is qp and not opened.link.closed
 
     def close(self, qp: QueuePair) -> Opened | None:
         """Close a pair ``open`` gave; what it was (to tell the peer), or None if unknown."""
@@ -110,6 +120,7 @@ class PairBroker:
         try:
             qp = self._backend.create_qp(self._cq)
             try:
+                qp.bind_session(self._links.session_key_of(link), answering=True)
                 async with asyncio.timeout(self._links.limits.timeout):
                     await _connect_off_loop(qp, request.endpoint, self._answer_pool, lock)
             except TimeoutError:

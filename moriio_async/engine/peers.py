@@ -1,19 +1,15 @@
 """Peers and the control plane of one engine: the listener, the hello, and what peers ask.
 
-A peer is an engine known by key at one incarnation (from a hello, a
-``connect`` or ``register_remote_engine``). A peer may have several links
-(both sides dial, or it reconnects; see ``links``); one of them, its current
-link, carries this engine's own requests and notices. With a shared secret a
-key is bound only to links that proved it (``handshake``), so no one without
-the secret can take a peer's place, its notifications or its pairs.
+Who is known, at which incarnation, is the peer book's (``book``). A peer
+may have several links (both sides dial, or it reconnects; see ``links``);
+one of them, its current link, carries this engine's own requests and
+notices. With a shared secret a key is bound only to links that proved it
+(``handshake``), so no one without the secret can take a peer's place, its
+notifications, its statuses or its pairs.
 
-A hello from another incarnation of a known peer supersedes it (its earlier
-links and answering pairs are closed). With a secret, incarnations are
-ordered (``descriptors.new_incarnation``): only a newer one supersedes, an
-older one is refused. (Without a secret anybody may claim any incarnation, so
-ordering them would only let one hostile hello lock the real engine out.)
-Peers whose links all closed are remembered up to ``max_peers``, least
-recently used dropped first.
+A transfer given a uid announces its end to its target with a ``done``
+notice (``post_done``, never waiting: see ``DONE_BACKLOG``); the target files
+it (``inbound``).
 """
 
 from __future__ import annotations
@@ -21,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from ..aio.control import ControlLink
 from ..aio.listener import Listener
@@ -30,6 +24,7 @@ from ..backends.base import Backend, CompletionQueue, QueuePair
 from ..core.framing import FrameError
 from ..core.protocol import (
     CloseQp,
+    Done,
     EngineRecord,
     Exports,
     Hello,
@@ -44,43 +39,23 @@ from ..core.protocol import (
 )
 from ..descriptors import EngineDesc, MemoryDesc
 from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, StalePeer
+from ..status import StatusCode
+from .book import Peer, PeerBook, PeerInfo, PeerStatistics
 from .guard import Guard
 from .handshake import Handshake, HelloRefused
+from .inbound import InboundStatuses
 from .inbox import Inbox, Notification
 from .links import LinkLimits, LinkRegistry
 from .memory import MemoryRegistry
 from .pairs import PairBroker
 
-__all__ = ["PeerInfo", "PeerStatistics", "PeerTable"]
+__all__ = ["DONE_BACKLOG", "PeerTable"]
 
 log = logging.getLogger("moriio_async")
 
-
-@dataclass(frozen=True, slots=True)
-class PeerInfo:
-    """What ``connect`` learned: the peer engine and the memory it exports by name."""
-
-    engine: EngineDesc
-    memory: dict[str, MemoryDesc]
-
-
-@dataclass(frozen=True, slots=True)
-class PeerStatistics:
-    peers: int
-    """Peer engines known (not pruned yet)."""
-    links: int
-    """Open control links, handshakes in progress included."""
-    answering_qps: int
-    """Queue pairs this engine opened for peers' sessions."""
-    opened_qps: int
-    """Queue pairs this engine's sessions opened towards peers."""
-
-
-@dataclass(eq=False, slots=True)
-class _Peer:
-    desc: EngineDesc
-    link: ControlLink | None = None
-    """The link this engine sends its requests and notices on."""
+DONE_BACKLOG = 1 << 20
+"""Bytes a link may hold unsent before ``done`` notices to its peer are dropped (counted) instead of queued:
+a peer that stops reading cannot make this engine buffer them without bound."""
 
 
 class PeerTable:
@@ -95,6 +70,7 @@ class PeerTable:
         cq: CompletionQueue,
         memory: MemoryRegistry,
         inbox: Inbox,
+        inbound: InboundStatuses,
         limits: LinkLimits,
         handshake: Handshake,
         guard: Guard,
@@ -107,10 +83,15 @@ class PeerTable:
         self._inbox = inbox
         self._handshake = handshake
         self._guard = guard
-        self._max_peers = max_peers
-        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+        self._inbound = inbound
         self._links = LinkRegistry(limits)
         self._pairs = PairBroker(key, incarnation, backend=backend, cq=cq, links=self._links)
+        self._peers = PeerBook(
+            self._links, inbound, busy=self._pairs.peer_keys, authenticates=handshake.authenticates,
+            max_peers=max_peers,
+        )  # fmt: skip
+        self.dropped_done = 0
+        """``done`` notices not sent: no open link to their peer, or its link held ``DONE_BACKLOG`` unsent."""
         self._listener = Listener(self._on_accept, admit=self._admit)
         self._handshakes: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
@@ -161,7 +142,12 @@ class PeerTable:
 
     def register(self, desc: EngineDesc) -> None:
         """Learn a peer from its descriptor (MoRI-IO's explicit style); another incarnation replaces it."""
-        self._known(desc, from_peer=False)
+        self._peers.learn(desc, from_peer=False)
+
+    def forget(self, key: str) -> bool:
+        """``deregister_remote_engine``: no new pair to ``key``, no notification (see ``book``);
+        False if it is not known."""
+        return self._peers.forget(key)
 
     async def connect(self, address: str) -> PeerInfo:
         """Handshake with the engine at ``host:port``; it and the memory it exports."""
@@ -169,6 +155,7 @@ class PeerTable:
         if not sep or not port_text.isdigit():
             raise InvalidArgument(f"address {address!r} is not host:port")
         _, welcome = await self._dial(host, int(port_text))
+        self._peers.learn(welcome.engine.desc(), from_peer=False)  # connecting to it undoes a deregistration
         return PeerInfo(welcome.engine.desc(), {m.name: m.desc() for m in welcome.memory})
 
     async def notify(self, key: str, data: bytes) -> None:
@@ -195,6 +182,26 @@ class PeerTable:
         if peer is not None and peer.desc.incarnation == opened.incarnation and peer.link is not None:
             peer.link.post(CloseQp(qp=opened.remote_qp))
 
+    def announce(self, key: str, uid: int, code: StatusCode) -> None:
+        """``post_done`` to peer ``key`` at its current incarnation, for work that was no single transfer."""
+        if code is not StatusCode.SUCCESS and code <= 10:
+            raise InvalidArgument(f"{code!r} is not how a transfer ends")
+        peer = self._peers.get(key)
+        if peer is not None:
+            self.post_done(key, peer.desc.incarnation, uid, code)
+
+    def usable(self, qp: QueuePair) -> bool:
+        """A pair ``open_qp`` gave is still open at both ends as far as the control plane knows."""
+        return self._pairs.usable(qp)
+
+    def post_done(self, key: str, incarnation: int, uid: int, code: StatusCode) -> None:
+        """Tell peer ``key`` (still at ``incarnation``) that transfer ``uid`` ended with ``code``; no wait."""
+        peer = self._peers.get(key)
+        link = peer.link if peer is not None and peer.desc.incarnation == incarnation else None
+        if link is None or link.backlog > DONE_BACKLOG or not link.post_soon(Done(uid=uid, code=int(code))):
+            self.dropped_done += 1
+            log.debug("done notice of transfer uid %d not sent to %s (no open link, or it is backed up)", uid, key)
+
     def session_key(self, key: str) -> bytes | None:
         """The session key of peer ``key``'s current link (None without a secret or a link).
 
@@ -212,53 +219,18 @@ class PeerTable:
         owner = self._links.owner_of_answering(qp_num)
         self._guard.access_error(owner.key if owner is not None else "?", detail)
 
-    def _known(self, desc: EngineDesc, *, from_peer: bool) -> _Peer:
-        """The peer ``desc`` names, learned or updated; ``StalePeer`` for an older incarnation that an
-        authenticated hello (``from_peer``) claims."""
-        peer = self._peers.get(desc.key)
-        if peer is not None and peer.desc.incarnation == desc.incarnation:
-            self._peers.move_to_end(desc.key)
-            return peer
-        if peer is not None:
-            if from_peer and self._handshake.authenticates and desc.incarnation < peer.desc.incarnation:
-                raise StalePeer(
-                    f"engine {desc.key!r} is known as incarnation {peer.desc.incarnation:#x}, newer than "
-                    f"{desc.incarnation:#x}: an older incarnation cannot take its place"
-                )
-            # The peer restarted: its earlier sessions are gone, and so are its earlier links.
-            self._links.close_all_answering(peer.desc)
-            self._links.close_superseded(desc)
-        peer = self._peers[desc.key] = _Peer(desc)
-        self._peers.move_to_end(desc.key)
-        self._prune(keep=desc.key)
-        return peer
-
-    def _prune(self, keep: str | None = None) -> None:
-        """Forget the least recently used peers with no open link and no pair, down to ``max_peers``."""
-        excess = len(self._peers) - self._max_peers
-        if excess <= 0:
-            return
-        busy = self._links.keys_with_links() | self._pairs.peer_keys()
-        for key in list(self._peers):
-            if excess <= 0:
-                break
-            if key != keep and key not in busy:
-                del self._peers[key]
-                excess -= 1
-
-    async def _link_for(self, key: str) -> tuple[_Peer, ControlLink]:
+    async def _link_for(self, key: str) -> tuple[Peer, ControlLink]:
         peer = self._peers.get(key)
-        if peer is None:
-            raise InvalidArgument(
-                f"unknown peer engine {key!r}", hint="connect() to it or register_remote_engine() first"
-            )
-        self._peers.move_to_end(key)
+        if peer is None or peer.forgotten:
+            what = f"peer engine {key!r} was deregistered" if peer is not None else f"unknown peer engine {key!r}"
+            raise InvalidArgument(what, hint="connect() to it or register_remote_engine() first")
+        self._peers.touch(key)
         if peer.link is None or peer.link.closed:
             link, welcome = await self._dial(peer.desc.host, peer.desc.port)
             if welcome.engine.key != key:  # the address now belongs to another engine
                 link.close()
                 raise ControlPlaneError(f"{peer.desc.address} is engine {welcome.engine.key!r} now, not {key!r}")
-            peer = self._peers[key]
+            peer = self._peers.get(key) or peer
             if peer.link is None or peer.link.closed:
                 peer.link = link
         assert peer.link is not None
@@ -268,7 +240,7 @@ class PeerTable:
 
     def _adopt(self, link: ControlLink, desc: EngineDesc, session_key: bytes | None) -> bool:
         """Bind ``link`` to the engine that said (and proved) hello on it; False if the link closed meanwhile."""
-        peer = self._known(desc, from_peer=True)
+        peer = self._peers.learn(desc, from_peer=True)
         if not self._links.bind(link, desc, session_key):
             return False
         if peer.link is None or peer.link.closed:
@@ -380,6 +352,9 @@ class PeerTable:
             return
         if isinstance(notice, Notify):
             await self._inbox.put(Notification(peer.desc.key, notice.data))  # waits while the inbox is full
+        elif isinstance(notice, Done):
+            if not self._inbound.record(peer.desc.key, notice.uid, notice.code):
+                self._guard.dropped_notice(link.peer_host, link.peer_address, "Done", f"code {notice.code}")
         else:
             self._links.close_answering(link, notice.qp)
 
@@ -392,9 +367,9 @@ class PeerTable:
         if peer is not None and peer.link is link:
             # Another open link of the same peer carries on, if there is one; else the next request dials.
             peer.link = self._links.another(peer.desc)
-        self._prune()
+        self._peers.prune()
 
-    def _peer_of(self, link: ControlLink) -> _Peer:
+    def _peer_of(self, link: ControlLink) -> Peer:
         desc = self._links.engine_of(link)
         if desc is None:
             raise ControlPlaneError("no hello on this link yet")

@@ -3,6 +3,12 @@
 ``read``/``write``/``batch_read``/``batch_write`` check everything, then
 return a ``Transfer`` at once: they never block the loop and never fail for
 lack of send-queue room. Bad input raises before anything is posted.
+
+A transfer given a ``uid`` (``IOEngine.allocate_transfer_uid``, or the
+caller's own) tells the target when it ends, success or failure (a ``done``
+notice on the control link, after the data); the target pops the outcome
+with ``pop_inbound_transfer_status``. A uid names one transfer in flight at a
+time. Without a uid nothing is sent and nothing more is done per transfer.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, 
 from ..status import Access, Opcode, StatusCode
 from .memory import LocalRegion
 from .peers import PeerTable
+from .uids import TransferUids
 
 __all__ = ["Session"]
 
@@ -49,12 +56,14 @@ class Session:
         *,
         router: CompletionRouter,
         peers: PeerTable,
+        uids: TransferUids,
         sessions: set[Session],
         max_wr_bytes: int,
         abort_timeout: float,
     ) -> None:
         self._router = router
         self._peers = peers
+        self._uids = uids
         self._sessions = sessions
         self._max_wr_bytes = max_wr_bytes
         self._abort_timeout = abort_timeout
@@ -95,22 +104,50 @@ class Session:
 
     # -- MoRI-IO's transfer calls -------------------------------------------------------------
 
-    def read(self, local_offset: int, remote_offset: int, size: int) -> Transfer:
+    def read(self, local_offset: int, remote_offset: int, size: int, *, uid: int | None = None) -> Transfer:
         """RDMA READ ``size`` bytes from the remote region into the local one."""
-        return self._submit_one(Opcode.RDMA_READ, local_offset, remote_offset, size)
+        return self._submit_one(Opcode.RDMA_READ, local_offset, remote_offset, size, uid)
 
-    def write(self, local_offset: int, remote_offset: int, size: int) -> Transfer:
+    def write(self, local_offset: int, remote_offset: int, size: int, *, uid: int | None = None) -> Transfer:
         """RDMA WRITE ``size`` bytes from the local region into the remote one."""
-        return self._submit_one(Opcode.RDMA_WRITE, local_offset, remote_offset, size)
+        return self._submit_one(Opcode.RDMA_WRITE, local_offset, remote_offset, size, uid)
 
-    def batch_read(self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int]) -> Transfer:
+    def batch_read(
+        self,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        *,
+        uid: int | None = None,
+    ) -> Transfer:
         """Many blocks as one transfer; contiguous blocks merge into fewer work requests."""
-        return self._submit(Opcode.RDMA_READ, local_offsets, remote_offsets, sizes)
+        return self._submit(Opcode.RDMA_READ, local_offsets, remote_offsets, sizes, uid)
 
     def batch_write(
-        self, local_offsets: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int]
+        self,
+        local_offsets: Sequence[int],
+        remote_offsets: Sequence[int],
+        sizes: Sequence[int],
+        *,
+        uid: int | None = None,
     ) -> Transfer:
-        return self._submit(Opcode.RDMA_WRITE, local_offsets, remote_offsets, sizes)
+        return self._submit(Opcode.RDMA_WRITE, local_offsets, remote_offsets, sizes, uid)
+
+    def alive(self) -> bool:
+        """A transfer started now would go straight to a usable queue pair.
+
+        False once the session or its engine closed, once the peer restarted
+        (``stale``), while the pair is failed (the next transfer reconnects),
+        and once the control link the pair was set up over closed (the peer
+        died, or closed its end). MoRI-IO's ``Alive()`` always answers true.
+        """
+        return (
+            not self.closed
+            and not self.stale
+            and not self._router.closed
+            and self.channel.state == ChannelState.READY
+            and self._peers.usable(self.channel.qp)
+        )
 
     def _check_usable(self, opcode: Opcode) -> None:
         if self._router.closed:
@@ -123,14 +160,16 @@ class Session:
         if denied:
             raise InvalidArgument(denied)
 
-    def _submit_one(self, opcode: Opcode, lo: int, ro: int, sz: int) -> Transfer:
+    def _submit_one(self, opcode: Opcode, lo: int, ro: int, sz: int, uid: int | None) -> Transfer:
         """The single read/write: scalar checks and a one-request job, no arrays to plan."""
         self._check_usable(opcode)
         remote = self.remote
         lo, ro, sz = check_block(lo, ro, sz, self._local.desc.length, remote.length)
         if sz > self._max_wr_bytes:
-            return self._submit(opcode, [lo], [ro], [sz])
-        transfer = self._new_transfer(opcode, (lo,), (ro,), (sz,))
+            return self._submit(opcode, [lo], [ro], [sz], uid)
+        if uid is not None:
+            uid = self._uids.claim(uid)  # the last check: a refused uid posts nothing
+        transfer = self._new_transfer(opcode, (lo,), (ro,), (sz,), uid)
         mr = self._local.mr
         job = Job.single(
             transfer, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro, rkey=remote.rkey,
@@ -138,13 +177,17 @@ class Session:
         )  # fmt: skip
         return self._post(transfer, job)
 
-    def _submit(self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int]) -> Transfer:
+    def _submit(
+        self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int], uid: int | None
+    ) -> Transfer:
         self._check_usable(opcode)
         remote = self.remote
         lo_a, ro_a, sz_a = check_arrays(lo, ro, sz, self._local.desc.length, remote.length)
         qp = self.channel.qp
         the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=self._max_wr_bytes)
-        transfer = self._new_transfer(opcode, lo_a, ro_a, sz_a)
+        if uid is not None:
+            uid = self._uids.claim(uid)
+        transfer = self._new_transfer(opcode, lo_a, ro_a, sz_a, uid)
         mr = self._local.mr
         job = Job(
             transfer, the_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr, rkey=remote.rkey
@@ -157,9 +200,22 @@ class Session:
         lo: Sequence[int] | npt.NDArray[np.int64],
         ro: Sequence[int] | npt.NDArray[np.int64],
         sz: Sequence[int] | npt.NDArray[np.int64],
+        uid: int | None,
     ) -> Transfer:
         router = self._router
-        return Transfer(router.loop, router.next_transfer_id(), opcode, self.peer, lo, ro, sz, drainer=router)
+        transfer = Transfer(
+            router.loop, router.next_transfer_id(), opcode, self.peer, lo, ro, sz, drainer=router, uid=uid
+        )
+        if uid is not None:
+            transfer.add_done_callback(self._announce)
+        return transfer
+
+    def _announce(self, transfer: Transfer) -> None:
+        """A transfer with a uid ended: free its uid, then tell the target how it ended."""
+        assert transfer.uid is not None
+        self._uids.release(transfer.uid)
+        remote = self.remote
+        self._peers.post_done(remote.engine_key, remote.incarnation, transfer.uid, transfer.code)
 
     def _post(self, transfer: Transfer, job: Job) -> Transfer:
         self._local.pin()
@@ -233,6 +289,12 @@ class Session:
             log.warning("abort of %r: no flush completions; declaring %d flushed", self, self.channel.in_flight)
             self.channel.force_fail_in_flight()
             self.channel.fail_waiting()
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until no transfer on this session is in flight or waiting to post (``TimeoutError`` leaves
+        them running). With ``close`` after it: a close that aborts nothing that was started."""
+        async with asyncio.timeout(timeout):
+            await self.channel.wait_idle()
 
     async def close(self) -> None:
         """Abort what is in flight, then destroy the queue pair. Idempotent."""

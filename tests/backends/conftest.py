@@ -1,5 +1,5 @@
 """The backend conformance suite: plain synchronous tests, each run against every backend in
-MORIIO_TEST_BACKENDS (comma list, default "mock,tcp"); MORIIO_TEST_BACKEND_OPTIONS (JSON) adds
+MORIIO_TEST_BACKENDS (comma list, default "mock,tcp,cma"); MORIIO_TEST_BACKEND_OPTIONS (JSON) adds
 BackendOptions fields, e.g. ``{"device": "rxe0"}`` inside the Soft-RoCE guest.
 
 A test that exercises one backend's own machinery (the TCP backend's fault hooks, its

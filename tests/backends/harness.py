@@ -30,8 +30,8 @@ WAIT = 15.0
 
 
 def backend_names() -> list[str]:
-    """Backends the suite runs against: MORIIO_TEST_BACKENDS, a comma list (default "mock,tcp")."""
-    return [b.strip() for b in os.environ.get("MORIIO_TEST_BACKENDS", "mock,tcp").split(",") if b.strip()]
+    """Backends the suite runs against: MORIIO_TEST_BACKENDS, a comma list (default "mock,tcp,cma")."""
+    return [b.strip() for b in os.environ.get("MORIIO_TEST_BACKENDS", "mock,tcp,cma").split(",") if b.strip()]
 
 
 def make_options(**overrides: Any) -> BackendOptions:
@@ -130,8 +130,11 @@ class Side:
     regions: list[MemoryRegion] = field(default_factory=list)
     """Every region still registered (closed at teardown)."""
 
-    def register(self, buf: np.ndarray, access: Access) -> MemoryRegion:
+    def register(self, buf: np.ndarray, access: Access, *, export: bool = True) -> MemoryRegion:
+        """Register ``buf``, exported to the peer unless ``export=False``."""
         mr = self.backend.register_memory(memoryview(buf), access)
+        if export:
+            self.backend.export_memory(mr)
         self.regions.append(mr)
         return mr
 
@@ -216,6 +219,7 @@ class PairFactory:
             qp = backend.create_qp(cq)
             buf = random_bytes(size, seed + fill) if fill else np.zeros(size, np.uint8)
             mr = backend.register_memory(memoryview(buf), access)
+            backend.export_memory(mr)
             sides.append(Side(backend, cq, qp, buf, mr, [mr]))
         a, b = sides
         connect(a.qp, b.qp)

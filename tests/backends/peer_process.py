@@ -25,6 +25,7 @@ def main() -> None:
     qp = backend.create_qp(cq)
     buf = np.zeros(size, np.uint8)
     mr = backend.register_memory(memoryview(buf), Access.all())
+    backend.export_memory(mr)
     qp.connect(json.loads(sys.stdin.readline()))
     reply = {"endpoint": dict(qp.endpoint()), "addr": mr.addr, "rkey": mr.rkey, "length": mr.length}
     sys.stdout.write(json.dumps(reply) + "\n")

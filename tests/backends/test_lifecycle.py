@@ -56,6 +56,7 @@ class Busy:
         busy.bufs += [np.ones(4 << 20, np.uint8), np.zeros(4 << 20, np.uint8)]
         mr_a = busy.a.register_memory(memoryview(busy.bufs[0]), ALL)
         mr_b = busy.b.register_memory(memoryview(busy.bufs[1]), ALL)
+        busy.b.export_memory(mr_b)
         busy.mrs += [(busy.a, mr_a), (busy.b, mr_b)]
         sges = (Sge(mr_a.addr, mr_a.length, mr_a.lkey),)
         for _ in range(2):

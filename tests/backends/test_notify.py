@@ -112,6 +112,7 @@ def test_no_missed_wakeup_two_pairs_one_queue(pairs: PairFactory, backend_name: 
         connect(qp2, peer_qp)
         peer_buf = np.zeros(4096, np.uint8)
         peer_mr = peer.register_memory(memoryview(peer_buf), ALL)
+        peer.export_memory(peer_mr)
         targets = {pair.a.qp.qp_num: (pair.a.qp, pair.b.mr), qp2.qp_num: (qp2, peer_mr)}
         per_pair = 1500
         posted = dict.fromkeys(targets, 0)

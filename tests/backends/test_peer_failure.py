@@ -68,6 +68,7 @@ class RemotePeer:
             peer_qp = backend.create_qp(backend.create_cq(1024))
             self.buf = np.zeros(self.size, np.uint8)
             mr = backend.register_memory(memoryview(self.buf), Access.all())
+            backend.export_memory(mr)
             peer_qp.connect(json.loads(json.dumps(dict(qp.endpoint()))))
             peer = {"endpoint": dict(peer_qp.endpoint()), "addr": mr.addr, "rkey": mr.rkey}
         else:

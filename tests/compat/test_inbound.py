@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
+from moriio_async import WcStatus
 from moriio_async.compat.mori import IOEngine, RdmaBackendConfig, StatusCode, TransferStatus
 
-from .conftest import make_pair, register
+from .conftest import make_pair, on_loop, register
 
 
 def wait_inbound(engine: IOEngine, key: str, uid: int, timeout: float = 5.0) -> TransferStatus | None:
@@ -85,5 +87,54 @@ def test_user_notifications_pass_and_inbound_ones_stay_hidden(pair: tuple[IOEngi
     assert b.pop_inbound_transfer_status(a.key, 5) is not None
     with pytest.raises(TimeoutError):
         b.recv_notification(0.05)
-    with pytest.raises(ValueError, match="prefix"):
-        a.notify(b.key, b"\x00moriio-compat:inbound\x00" + bytes(8))
+
+
+def test_a_failure_after_posting_is_announced_with_its_code(held: tuple[IOEngine, IOEngine]) -> None:
+    """MoRI-IO's target never hears of a failed transfer; here it learns the first failure's code."""
+    a, b = held
+    _, mx = register(a, 64 << 10)
+    _, my = register(b, 64 << 10)
+    session = a.create_session(mx, my)
+    assert session is not None and len(session.stripes) == 2
+    on_loop(a, session.stripes[1].channel.qp.fail_next, WcStatus.REM_ACCESS_ERR)
+    status = session.batch_write([0, 8192], [0, 8192], [4096, 4096], 12)  # one post on each stripe
+    for stripe in session.stripes:
+        on_loop(a, stripe.channel.qp.step, 1 << 20)
+    assert status.WaitFor(10_000) is StatusCode.ERR_RDMA_OP
+    inbound = wait_inbound(b, a.key, 12)
+    assert inbound is not None and inbound.Failed() and inbound.Code() is StatusCode.ERR_RDMA_OP
+
+
+def test_deregister_remote_engine_lets_engine_level_transfers_in_flight_end() -> None:
+    """The engine-level session is dropped at once, but closed only once its transfer has ended."""
+    a, b = make_pair("dereg", "tcp")
+    try:
+        x, mx = register(a, 16 << 20)
+        y, my = register(b, 16 << 20, fill=0)
+        assert a.write(mx, 0, my, 0, 8, 4).WaitFor(10_000) is StatusCode.SUCCESS  # the cached session is open
+        st = a.write(mx, 0, my, 0, 16 << 20, 5)
+        a.deregister_remote_engine(b.get_engine_desc())  # runs on the loop right after the post
+        assert a.write(mx, 0, my, 0, 8, 6).Code() is StatusCode.ERR_BAD_STATE  # new work to it is refused
+        assert st.WaitFor(30_000) is StatusCode.SUCCESS, st.Message()  # not aborted by the deregistration
+        assert np.array_equal(x, y)
+        assert wait_inbound(b, a.key, 5) is not None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_transfer_made_before_deregister_remote_engine_still_runs() -> None:
+    """Even when its engine-level session is still being opened when the peer is deregistered."""
+    a, b = make_pair("dereg-open", "tcp")
+    try:
+        x, mx = register(a, 1 << 20)
+        y, my = register(b, 1 << 20, fill=0)
+        st = a.write(mx, 0, my, 0, 1 << 20, 8)  # accepted; its session opens on the loop
+        a.deregister_remote_engine(b.get_engine_desc())
+        assert st.WaitFor(30_000) is StatusCode.SUCCESS, st.Message()
+        assert np.array_equal(x, y)
+        assert a.create_session(mx, my) is None  # and afterwards the peer is forgotten
+        assert a.write(mx, 0, my, 0, 8, 9).Code() is StatusCode.ERR_BAD_STATE
+    finally:
+        a.close()
+        b.close()

@@ -63,6 +63,7 @@ def test_a_striped_batch_to_a_killed_peer_fails_and_every_wait_returns() -> None
         assert session is not None
         offsets = list(range(0, 1 << 20, 8192))
         assert session.batch_write(offsets, offsets, [4096] * len(offsets)).WaitFor(10_000) is StatusCode.SUCCESS
+        assert session.alive()
         os.kill(peer.pid, signal.SIGKILL)
         peer.wait(10)
         t0 = time.monotonic()
@@ -72,6 +73,7 @@ def test_a_striped_batch_to_a_killed_peer_fails_and_every_wait_returns() -> None
         assert all(s.Code() is StatusCode.ERR_RDMA_OP for s in statuses), [s.Message() for s in statuses]
         assert time.monotonic() - t0 < 30
         assert engine.wait_all(statuses, 0) is StatusCode.ERR_RDMA_OP
+        assert not session.alive()
     finally:
         engine.close()
         if peer.poll() is None:

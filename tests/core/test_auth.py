@@ -58,3 +58,16 @@ def test_secret_from_argument_or_environment_and_too_short_refused() -> None:
     assert load_secret("f" * 16, {"MORIIO_ASYNC_SECRET": "e" * 20}) == b"f" * 16
     with pytest.raises(InvalidArgument, match="at least 16"):
         load_secret(b"short", {})
+
+
+def test_a_token_is_the_documented_hmac_so_both_ends_and_other_implementations_agree() -> None:
+    """The wire construction, written out independently: HMAC-SHA256 under the session key over the
+    purpose (4-byte big-endian length, then its bytes) and the serial (8 bytes, big-endian), first 16 bytes."""
+    import hashlib
+    import hmac
+
+    key = bytes(range(32))
+    for purpose, serial in (("qp", 0), ("qp", 7), ("data", 2**40 + 3)):
+        msg = len(purpose).to_bytes(4, "big") + purpose.encode() + serial.to_bytes(8, "big")
+        assert token_for(key, purpose, serial) == hmac.new(key, msg, hashlib.sha256).digest()[:16]
+    assert token_for(key, "qp", 1) != token_for(key, "qp", 2) != token_for(key, "qq", 2)

@@ -12,6 +12,7 @@ from moriio_async.core.protocol import (
     MAX_KEY,
     CloseQp,
     ConnectQp,
+    Done,
     EngineRecord,
     Exports,
     Hello,
@@ -43,6 +44,7 @@ MESSAGES: list[Message] = [
     Refused(re=None, reason="frame", message="bad"),
     CloseQp(qp=0x1234),
     Notify(data=bytes(range(256))),
+    Done(uid=(1 << 64) - 1, code=13),
 ]
 
 
@@ -86,6 +88,10 @@ def hello(**engine: object) -> bytes:
         (b'{"op": "notify", "data": "!!!"}', "base64"),
         (b'{"op": "close_qp", "qp": "7"}', "Expected `int`"),
         (b'{"op": "close_qp", "qp": -1}', ">= 0"),
+        (b'{"op": "done", "uid": 18446744073709551616, "code": 0}', r"exceeds 2\*\*64 - 1|out of range"),
+        (b'{"op": "done", "uid": -1, "code": 0}', ">= 0"),
+        (b'{"op": "done", "uid": 1, "code": 256}', "<= 255"),
+        (b'{"op": "done", "uid": 1}', "missing required field"),
         (b'{"op": "hello", "id": true, "engine": {}}', "Expected `int`, got `bool`"),
         (hello(key=3), "Expected `str`"),
         (hello(key=""), "length >= 1"),

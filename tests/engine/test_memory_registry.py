@@ -16,6 +16,7 @@ class RxeLikeKeys:
 
     def __init__(self) -> None:
         self.live: list[MemoryRegion] = []
+        self.exported: list[MemoryRegion] = []
         self.next_key = 0x100
 
     def register_memory(self, buffer: memoryview, access: Access) -> MemoryRegion:
@@ -29,6 +30,9 @@ class RxeLikeKeys:
 
     def deregister_memory(self, region: MemoryRegion) -> None:
         self.live.remove(region)  # ValueError if deregistered twice
+
+    def export_memory(self, region: MemoryRegion) -> None:
+        self.exported.append(region)
 
 
 def test_equal_descriptors_are_two_registrations_each_deregistered_once() -> None:
@@ -58,12 +62,20 @@ def test_equal_descriptors_are_two_registrations_each_deregistered_once() -> Non
 
 
 def test_remote_regions_stay_distinct_and_only_named_ones_are_exported() -> None:
-    backend = cast(Backend, RxeLikeKeys())
+    nic = RxeLikeKeys()
+    backend = cast(Backend, nic)
     registry = MemoryRegistry("b", 1)
     buf = bytearray(64)
     a = registry.register(backend, buf, "kv", Access.all())
     b = registry.register(backend, buf, "", Access.all())
     assert a != b and a.rkey != b.rkey
     assert registry.exported() == [a]
+    assert [mr.rkey for mr in nic.exported] == [a.rkey], "only the named region is exported to the backend"
+    c = registry.register(backend, buf, "", Access.all(), export=True)
+    hidden = registry.register(backend, buf, "hidden", Access.all(), export=False)
+    registry.export(backend, b)
+    assert [mr.rkey for mr in nic.exported] == [a.rkey, c.rkey, b.rkey]
+    assert hidden.rkey not in [mr.rkey for mr in nic.exported]
+    assert registry.exported() == [a], "a named region kept local is not listed to peers either"
     with pytest.raises(InvalidArgument, match="already registered"):
         registry.register(backend, buf, "kv", Access.all())

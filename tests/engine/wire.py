@@ -79,6 +79,8 @@ class Hello:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     replies: list[dict[str, Any]]
+    session_key: bytes | None = None
+    """The link's session key once the hello was proved (what data-plane tokens derive from)."""
 
     @property
     def welcomed(self) -> bool:
@@ -132,7 +134,7 @@ async def hello(
     writer.write(frame({"op": "proof", "id": 2, "proof": b64(proof)}))
     await writer.drain()
     replies.append(await read_message(reader))
-    return Hello(reader, writer, replies)
+    return Hello(reader, writer, replies, transcript.session_key(secret) if secret is not None else None)
 
 
 async def until(condition: Any, limit: float = 5.0) -> None:

@@ -2,7 +2,9 @@
 
 Commands: {"cmd": "register", "name", "size", "seed"} -> desc; {"cmd": "deregister", "name"};
 {"cmd": "digest", "name"} -> sha256 of the region; {"cmd": "block", "seconds"} blocks the event
-loop (the NIC must keep serving); {"cmd": "exit"}.
+loop (the NIC must keep serving); {"cmd": "inbound", "peer", "uid", "timeout"} -> the code the
+peer's transfer uid ended with (null if none within the timeout); {"cmd": "stats"} -> statistics();
+{"cmd": "exit"}.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ async def main(backend: str) -> None:
             elif cmd == "block":
                 time.sleep(msg["seconds"])  # noqa: ASYNC251 - the event loop is blocked on purpose
                 reply({"ok": True})
+            elif cmd == "inbound":
+                try:
+                    code = await engine.wait_inbound_transfer_status(msg["peer"], msg["uid"], msg["timeout"])
+                    reply({"code": int(code)})
+                except TimeoutError:
+                    reply({"code": None})
+            elif cmd == "stats":
+                reply({k: v for k, v in engine.statistics().items() if isinstance(v, int)})
             elif cmd == "exit":
                 reply({"ok": True})
                 return

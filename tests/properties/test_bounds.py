@@ -110,7 +110,7 @@ async def test_the_target_touches_only_live_regions_in_range_with_matching_acces
         arena = np.random.default_rng(3).integers(0, 256, ARENA, dtype=np.uint8)
         descs: list[MemoryDesc] = []
         for spec in specs:
-            desc = p.b.register_memory(arena[spec.start : spec.start + spec.length], access=spec.access)
+            desc = p.b.register_memory(arena[spec.start : spec.start + spec.length], access=spec.access, export=True)
             descs.append(desc)
         for spec, desc in zip(specs, descs, strict=True):
             if not spec.live:

@@ -8,6 +8,13 @@ while its event loop is busy or blocked. The posting thread itself writes
 READs and small WRITEs when the sender is idle (the doorbell); every copy of
 payload bytes happens inside a socket call, with the GIL released.
 
+Trust: a peer reaches only exported regions (``export_memory``; the rest are
+unknown rkeys on the data plane), with a token derived from the control
+link's session key when there is a shared secret (``qp.py``), within a total
+deadline per message (``responder.py``); deregistration aborts a peer's
+request in progress instead of waiting for it (``regions.py``). What peers
+did wrong is counted in ``describe()["data_plane"]`` (``guard.py``).
+
 Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
 ``hooks`` (a ``Hooks``) or ``fault_plan`` (a ``FaultPlan``) for fault injection.
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ...errors import EngineClosed, InvalidArgument
@@ -23,6 +31,7 @@ from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
 from ..softcq import SoftCompletionQueue
 from .faults import hooks_from
+from .guard import DataGuard
 from .hooks import Hooks
 from .listener import Listener
 from .qp import MAX_SEND_WR, MAX_SGE, TcpQueuePair
@@ -40,12 +49,14 @@ class TcpBackend(Backend):
         self.hooks: Hooks | None = hooks_from(options.extra)
         """Fault-injection hooks given to every queue pair created (see ``hooks.py``)."""
         self.regions = RegionTable()
+        self.guard = DataGuard()
+        """What peers did wrong on this data plane (counters, rate-limited lines)."""
         self._lock = threading.Lock()
         self._closed = False
         self._qp_numbers = itertools.count(0x10)
         self._qps: dict[int, TcpQueuePair] = {}
         self._cqs: list[SoftCompletionQueue] = []
-        self.listener = Listener(options)
+        self.listener = Listener(options, self.guard)
 
     @property
     def host(self) -> str:
@@ -62,10 +73,17 @@ class TcpBackend(Backend):
         return self.regions.register(buffer, access)
 
     def deregister_memory(self, region: MemoryRegion) -> None:
-        """Invalidate the region. Waits while a socket call is moving its bytes right now
-        (normally microseconds; against a stalled peer, until the pair gives up on it:
-        one to two ``retry_timeout``s)."""
+        """Invalidate the region. A peer's request moving its bytes right now is aborted (its
+        socket shut down; it fails with REM_ACCESS_ERR), so the wait is as long as a woken
+        system call takes to return, however slowly the peer sends."""
         self.regions.deregister(region)
+
+    def export_memory(self, region: MemoryRegion) -> None:
+        """From now on a peer's rkey finds ``region`` (before, it is an unknown rkey)."""
+        self.regions.export(region)
+
+    def watch_access_errors(self, listener: Callable[[int, str], None]) -> None:
+        self.guard.listener = listener
 
     def create_cq(self, depth: int) -> CompletionQueue:
         self._check_open()
@@ -94,6 +112,7 @@ class TcpBackend(Backend):
             "max_sge": max(1, min(self.options.max_sge, MAX_SGE)),
             "retry_timeout": self.options.retry_timeout,
             "threads": "accept 1; per active qp: send + recv; per accepted connection: 1",
+            "data_plane": self.guard.snapshot(),
         }
 
     def close(self) -> None:

@@ -91,7 +91,11 @@ class PlanHooks(Hooks):
     def on_send(self, qp_num: int, wr: WorkRequest) -> WcStatus | Fault | None:
         with self._lock:
             qp, n = self._sent.next(qp_num)
-            self._positions[qp_num, wr.wr_id] = (qp, n)
+        if self._match(qp, n, (Action.DELAY,)) is not None:
+            # Kept only for the requests a delay rule will hold back: a request flushed before its
+            # response would otherwise leave its entry here for good (a soak of millions grows).
+            with self._lock:
+                self._positions[qp_num, wr.wr_id] = (qp, n)
         rule = self._match(qp, n, (Action.DROP, Action.STATUS))
         if rule is None:
             return None

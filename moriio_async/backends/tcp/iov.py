@@ -10,6 +10,13 @@ releases the GIL for the call, as the socket module does.
 The addresses must stay valid for the call: callers check every block
 against the region table and pin its region first (``regions.py``), and hold
 the numpy arrays (chunk headers, iovec arrays) they point at.
+
+A receive may carry a ``Deadline``: the whole message (a hello, a chunk's
+descriptors, its payloads) must arrive by then, however the peer spaces its
+bytes. The kernel's receive timeout alone is per call, so a peer sending a
+byte now and then would keep one call after another alive; the deadline is
+checked only when a call returns short (never on the usual one-call path),
+and it tightens the kernel timeout so that no call outlives it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import ctypes
 import errno
 import os
 import socket
+import struct
+import time
 from typing import Final, TypeVar, cast
 
 import numpy as np
@@ -27,6 +36,8 @@ from .wire import PeerGone, VendorErr
 
 __all__ = [
     "IOV_MAX",
+    "MIN_RATE",
+    "Deadline",
     "Iov",
     "address",
     "advance",
@@ -47,6 +58,73 @@ IOV_MAX: Final = 1024
 _ROW: Final = 16  # sizeof(struct iovec) on 64-bit Linux: base, length
 
 _B = TypeVar("_B", bound=bytes | memoryview)
+
+MIN_RATE: Final = 1 << 20
+"""Bytes per second a peer must at least keep up within one message (beyond its first timeout)."""
+
+
+def set_receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """SO_RCVTIMEO of ``seconds`` (at least a microsecond)."""
+    sec = int(seconds)
+    usec = max(1, int((seconds - sec) * 1_000_000)) if seconds > sec or not sec else 0
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", sec, usec))
+
+
+class Deadline:
+    """One message's total deadline on one socket, and the abort switch of whoever receives it.
+
+    ``start(seconds)`` when a message's first bytes arrived, ``extend(nbytes)``
+    for its payloads (``nbytes / MIN_RATE`` more), ``end()`` once it is in.
+    ``check()`` runs after a short receive: it raises ``PeerGone`` once the
+    deadline passed or ``aborted`` was set, and otherwise lowers the socket's
+    receive timeout to what is left (``end`` restores it).
+    """
+
+    @classmethod
+    def after(cls, sock: socket.socket, timeout: float, nbytes: int) -> Deadline:
+        """A deadline starting now for a message with ``nbytes`` still to come."""
+        deadline = cls(sock, timeout)
+        deadline.start(timeout)
+        deadline.extend(nbytes)
+        return deadline
+
+    __slots__ = ("aborted", "at", "sock", "tightened", "timeout")
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.sock = sock
+        self.timeout = timeout
+        self.at = float("inf")
+        self.tightened = False
+        self.aborted = False
+
+    def start(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def extend(self, nbytes: int) -> None:
+        self.at += nbytes / MIN_RATE
+
+    def check(self) -> None:
+        if self.aborted:
+            raise PeerGone(VendorErr.PEER_CLOSED)
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise PeerGone(VendorErr.PEER_SILENT)
+        if left < self.timeout:
+            try:
+                set_receive_timeout(self.sock, left)
+            except OSError:
+                raise PeerGone(VendorErr.PEER_RESET) from None
+            self.tightened = True
+
+    def end(self) -> None:
+        self.at = float("inf")
+        if self.tightened:
+            self.tightened = False
+            try:
+                set_receive_timeout(self.sock, self.timeout)
+            except OSError:
+                raise PeerGone(VendorErr.PEER_RESET) from None
+
 
 Iov = npt.NDArray[np.uint64]
 """An iovec list: ``n`` rows of (base address, length), laid out as ``struct iovec[n]``."""
@@ -139,8 +217,9 @@ def send_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
         raise PeerGone(VendorErr.PEER_RESET) from None
 
 
-def recv_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
-    """Fill ``iov[start:]`` with ``total`` bytes (blocking; silence inside is a dead peer). Raises PeerGone."""
+def recv_all(fd: int, iov: Iov, total: int, start: int = 0, deadline: Deadline | None = None) -> None:
+    """Fill ``iov[start:]`` with ``total`` bytes (blocking; silence inside is a dead peer, and so is
+    missing ``deadline``). Raises PeerGone."""
     try:
         while total > 0:
             n = recvmsg(fd, iov, start)
@@ -148,6 +227,8 @@ def recv_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
                 raise PeerGone(VendorErr.PEER_CLOSED)
             total -= n
             if total > 0:
+                if deadline is not None:
+                    deadline.check()
                 start = advance(iov, start, n)
     except BlockingIOError:
         raise PeerGone(VendorErr.PEER_SILENT) from None
@@ -155,14 +236,17 @@ def recv_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
         raise PeerGone(VendorErr.PEER_RESET) from None
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill a small ``view`` (headers, descriptors) from the socket. Raises PeerGone."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline | None = None) -> None:
+    """Fill ``view`` (headers, descriptors, one request's payload) from the socket, by ``deadline``
+    if given. Raises PeerGone."""
     try:
         while view:
             n = sock.recv_into(view, 0, _WAITALL)
             if n == 0:
                 raise PeerGone(VendorErr.PEER_CLOSED)
             view = view[n:]
+            if view and deadline is not None:
+                deadline.check()
     except BlockingIOError:
         raise PeerGone(VendorErr.PEER_SILENT) from None
     except OSError:
@@ -210,8 +294,9 @@ def advance_buffers(buffers: list[_B], n: int) -> list[_B]:
     return rest
 
 
-def recv_buffers(sock: socket.socket, views: list[memoryview], total: int) -> None:
-    """Fill ``views`` in order with ``total`` bytes (silence inside is a dead peer). Raises PeerGone."""
+def recv_buffers(sock: socket.socket, views: list[memoryview], total: int, deadline: Deadline | None = None) -> None:
+    """Fill ``views`` in order with ``total`` bytes (silence inside is a dead peer, and so is missing
+    ``deadline``). Raises PeerGone."""
     try:
         while total > 0:
             n = sock.recvmsg_into(views, 0, _WAITALL)[0]
@@ -219,6 +304,8 @@ def recv_buffers(sock: socket.socket, views: list[memoryview], total: int) -> No
                 raise PeerGone(VendorErr.PEER_CLOSED)
             total -= n
             if total > 0:
+                if deadline is not None:
+                    deadline.check()
                 views = advance_buffers(views, n)
     except BlockingIOError:
         raise PeerGone(VendorErr.PEER_SILENT) from None

@@ -3,8 +3,21 @@
 A passive pair registers its token (``expect``); the active pair dials the
 data port and presents it (``dial``); the accept thread hands each connection
 a thread of its own that checks the hello (``_answer``), attaches the
-connection to the pair the token names (each token is good for one dial) and
-then serves it (``Responder.serve``). None of this touches asyncio.
+connection to the pair the token names (each token is good for one dial: it
+is forgotten at the first hello that presents it, so a replay finds nothing)
+and then serves it (``Responder.serve``). None of this touches asyncio.
+
+What a token is (``qp.py``): with a shared secret, an HMAC under the control
+link's session key over both pairs' numbers and the passive pair's nonce, so
+only the engine that proved the secret on that link can compute it, and it
+never crosses the control link; without one, 16 random bytes sent over the
+(unauthenticated) control link, as before.
+
+The hello must arrive whole within ``connect_timeout`` of the accept, however
+its bytes are spaced; at most ``MAX_HELLOS`` connections may be in their
+hello at once (more are closed at once). A hello with an unknown or used
+token, a bad magic or version, or too slow, is refused, counted and logged
+at a rate-limited WARNING (``DataGuard``).
 """
 
 from __future__ import annotations
@@ -17,11 +30,15 @@ import time
 
 from ...errors import BackendUnavailable, ControlPlaneError, PeerError
 from ..base import BackendOptions
+from .guard import DataGuard
 from .pairstate import PairState
 from .responder import Responder
-from .wire import HELLO, HELLO_ACK, MAGIC, VERSION, HelloStatus, PeerGone, configure_data_socket
+from .wire import HELLO, HELLO_ACK, MAGIC, VERSION, HelloStatus, PeerGone, VendorErr, configure_data_socket
 
-__all__ = ["Listener", "dial"]
+__all__ = ["MAX_HELLOS", "Listener", "dial"]
+
+MAX_HELLOS = 64
+"""Accepted connections that may be in their hello at once (each holds a thread until it is done)."""
 
 log = logging.getLogger("moriio_async.tcp")
 
@@ -31,10 +48,12 @@ _WILDCARDS = ("", "0.0.0.0", "::")
 class Listener:
     """The backend's data port: one accept thread, one thread per accepted connection."""
 
-    def __init__(self, options: BackendOptions) -> None:
+    def __init__(self, options: BackendOptions, guard: DataGuard) -> None:
         self.options = options
+        self.guard = guard
         self._lock = threading.Lock()
         self._closed = False
+        self._in_hello = 0
         self._waiting: dict[bytes, PairState] = {}  # token -> passive pair expecting a dial
         self._threads: dict[Responder, threading.Thread] = {}
         family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
@@ -96,7 +115,7 @@ class Listener:
                 log.warning("tcp backend port %d: accept failed: %s", self.port, exc)
                 time.sleep(0.05)  # e.g. EMFILE: do not spin
                 continue
-            responder = Responder(conn)
+            responder = Responder(conn, self.guard, self.options.retry_timeout)
             thread = threading.Thread(target=self._connection, args=(responder,), daemon=True,
                                       name=f"moriio-tcp-resp-{self.port}")  # fmt: skip
             responder.thread = thread
@@ -104,17 +123,29 @@ class Listener:
                 if self._closed:
                     conn.close()
                     return
-                self._threads[responder] = thread
+                busy = self._in_hello >= MAX_HELLOS
+                if not busy:
+                    self._in_hello += 1
+                    self._threads[responder] = thread
+            if busy:
+                self.guard.refused_connection(_host(conn), f"{MAX_HELLOS} connections are in their hello already")
+                conn.close()
+                continue
             thread.start()
 
     def _connection(self, responder: Responder) -> None:
         st: PairState | None = None
         try:
-            st = self._answer(responder)
+            try:
+                st = self._answer(responder)
+            finally:
+                with self._lock:
+                    self._in_hello -= 1
             if st is not None:
                 responder.serve(st)
-        except PeerGone:
-            pass
+        except PeerGone as exc:
+            if exc.vendor == VendorErr.PEER_SILENT and st is not None and not responder.stopped:
+                self.guard.slow_message(f"qp {st.qp_num}", "a chunk did not arrive whole within its deadline")
         except BaseException:
             log.exception("tcp responder on port %d failed", self.port)
         finally:
@@ -125,33 +156,53 @@ class Listener:
                 self._threads.pop(responder, None)
 
     def _answer(self, responder: Responder) -> PairState | None:
-        """The passive half of the hello: the token names a waiting pair, which takes the connection."""
+        """The passive half of the hello, within one deadline: the token names a waiting pair, which
+        takes the connection (and the token is gone)."""
         sock = responder.sock
-        sock.settimeout(self.options.connect_timeout)
+        host = _host(sock)
+        deadline = time.monotonic() + self.options.connect_timeout
         hello = bytearray(HELLO.size)
         view = memoryview(hello)
         try:
             while view:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.guard.slow_message(host, f"no whole hello within {self.options.connect_timeout:g}s")
+                    return None
+                sock.settimeout(left)
                 n = sock.recv_into(view)
                 if not n:
                     return None
                 view = view[n:]
             magic, version, _flags, token, _peer_qp = HELLO.unpack(hello)
             if magic != MAGIC:
+                self.guard.bad_message(host, "not a moriio data-port hello")
                 sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_HELLO, 0))
                 return None
             if version != VERSION:
+                self.guard.bad_message(host, f"wire version {version}, this side {VERSION}")
                 sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_VERSION, 0))
                 return None
             st = self._claim(token)
             if st is None or not st.attach(responder):
+                self.guard.refused_token(host)
                 sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.UNKNOWN_TOKEN, 0))
                 return None
             configure_data_socket(sock, self.options.retry_timeout)
             sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, st.qp_num))
+        except TimeoutError:
+            self.guard.slow_message(host, f"no whole hello within {self.options.connect_timeout:g}s")
+            return None
         except OSError:
             return None
         return st
+
+
+def _host(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
 
 
 def dial(host: str, port: int, token: bytes, qp_num: int, options: BackendOptions) -> socket.socket:

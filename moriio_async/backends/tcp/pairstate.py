@@ -171,6 +171,8 @@ class PairState:
         self.tx_pending: PendingWrite | None = None  # written under tx_lock
         self.sock: socket.socket | None = None  # the active side's connection
         self.responder: Stoppable | None = None  # the passive side's
+        self.retry_timeout = 5.0
+        """The silence timeout (set by the pair): also the base of a response's deadline once it came short."""
         self.closed = False
 
     # -- the passive side ---------------------------------------------------------------

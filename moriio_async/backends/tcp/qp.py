@@ -5,6 +5,15 @@ and rings the doorbell when the sender is idle (``sender.ring``); the sender
 and receiver threads (``sender.py``, ``receiver.py``) take only the pair
 state and the socket. The passive side's connection is served by the
 listener's thread for it (``listener.py``, ``responder.py``).
+
+Tokens: with a session key (``bind_session``: the key of the authenticated
+control link the pair is set up over), the passive pair's endpoint carries a
+fresh nonce instead of a token, and both sides compute the token as
+``core.auth.token_for(session_key, "tcp-data/<passive qp>/<active qp>/<nonce>", 0)``;
+it never crosses the control link, and the listener accepts it once. Without
+a session key (no shared secret), the token is 16 random bytes in the
+endpoint, as before. An answering pair never dials: given an endpoint that
+asks it to (``accepting``), its ``connect`` refuses.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ...core.auth import token_for
 from ...errors import InvalidArgument
 from ...status import Opcode, WcStatus
 from ...work import WorkBatch
@@ -55,13 +65,18 @@ class TcpQueuePair(QueuePair):
         self.max_send_wr = max(1, min(options.sq_depth, MAX_SEND_WR))
         self.max_sge = max(1, min(options.max_sge, MAX_SGE))
         self.token = secrets.token_bytes(16)
+        """What the active side presents in its hello: random here; derived once a session key is bound."""
+        self.nonce = secrets.token_bytes(16)
         self.remote: dict[str, object] = {}
         self.pair_state = PairState(qp_num, cq, regions, hooks)
+        self.pair_state.retry_timeout = options.retry_timeout
         """The locked state the NIC threads share (public for inspection and tests)."""
         self._listener = listener
         self._options = options
         self._on_close = on_close
         self._passive = False
+        self._answering = False
+        self._session_key: bytes | None = None
         self._threads: list[threading.Thread] = []
 
     @property
@@ -79,35 +94,68 @@ class TcpQueuePair(QueuePair):
     def state(self) -> str:
         return self.pair_state.state
 
+    def bind_session(self, session_key: bytes | None, *, answering: bool) -> None:
+        with self.pair_state.lock:
+            if self.pair_state.state != QpState.INIT:
+                raise InvalidArgument(f"bind_session needs a queue pair in INIT (qp {self.qp_num})")
+            self._session_key = session_key
+            self._answering = answering
+
     def endpoint(self) -> Endpoint:
+        secured = self._session_key is not None
         return {
             "backend": "tcp",
             "host": self._listener.host,
             "port": self._listener.port,
             "qp_num": self.qp_num,
-            "token": self.token.hex(),
+            # With a session key the token is derived, never sent: the peer gets the nonce it derives from.
+            **({"nonce": self.nonce.hex()} if secured else {"token": self.token.hex()}),
             # True once connect() made this the passive side: the peer then dials it.
             "accepting": self._passive,
         }
 
+    def _derive(self, passive_qp: int, active_qp: int, nonce: bytes) -> bytes:
+        assert self._session_key is not None
+        return token_for(self._session_key, f"tcp-data/{passive_qp}/{active_qp}/{nonce.hex()}", 0)
+
     def connect(self, remote: Endpoint) -> None:
         if remote.get("backend") != "tcp":
-            raise InvalidArgument(f"not a tcp queue-pair endpoint: {dict(remote)!r}")
+            raise InvalidArgument(f"not a tcp queue-pair endpoint: {_shown(remote)}")
         st = self.pair_state
         with st.lock:
             if st.closed or st.state != QpState.INIT:
                 raise InvalidArgument(f"connect needs a queue pair in INIT (qp {self.qp_num} is {st.state})")
-            self.remote = dict(remote)
             if not remote.get("accepting"):
-                # Passive side: the active pair will dial us with our token.
+                # Passive side: the active pair will dial us with the token (derived, or ours).
+                if self._session_key is not None:
+                    try:
+                        active_qp = int(remote["qp_num"])
+                    except (KeyError, ValueError, TypeError) as exc:
+                        raise InvalidArgument(f"malformed tcp endpoint {_shown(remote)}: {exc!r}") from exc
+                    self.token = self._derive(self.qp_num, active_qp, self.nonce)
+                self.remote = dict(remote)
                 self._passive = True
                 st.state = QpState.RTS
                 self._listener.expect(self.token, st)
                 return
+            if self._answering:
+                # The contract (backends/base.py): an answering pair never dials, whatever it is told.
+                raise InvalidArgument(
+                    f"qp {self.qp_num} answers a peer's session and never dials; the endpoint asked it to"
+                )
+            self.remote = dict(remote)
+        assert not self._answering
         try:
-            host, port, token = str(remote["host"]), int(remote["port"]), bytes.fromhex(str(remote["token"]))
+            host, port, peer_qp = str(remote["host"]), int(remote["port"]), int(remote["qp_num"])
+            if self._session_key is not None:
+                token = self._derive(peer_qp, self.qp_num, bytes.fromhex(str(remote["nonce"])))
+            else:
+                token = bytes.fromhex(str(remote["token"]))
         except (KeyError, ValueError, TypeError) as exc:
-            raise InvalidArgument(f"malformed tcp endpoint {dict(remote)!r}: {exc}") from exc
+            raise InvalidArgument(
+                f"malformed tcp endpoint {_shown(remote)}: {exc!r}",
+                hint="both engines must run with the same shared secret setting and moriio_async version",
+            ) from exc
         sock = dial(host, port, token, self.qp_num, self._options)
         with st.lock:
             if st.closed or st.state != QpState.INIT:
@@ -177,8 +225,10 @@ class TcpQueuePair(QueuePair):
         self._listener.forget(self.token)
         self._on_close(self)
         if responder is not None:
+            # Not joined: close may run on the event loop, and the responder's thread ends on its own
+            # once its socket is shut (the listener keeps it, and the backend's close joins it).
             responder.stop()
-            responder.join()
+            return
         current = threading.current_thread()
         for t in self._threads:
             if t is not current:
@@ -205,6 +255,11 @@ class TcpQueuePair(QueuePair):
         except BaseException:
             log.exception("tcp qp %d: NIC thread failed", self.qp_num)
             self.pair_state.fail(WcStatus.GENERAL_ERR, 0)
+
+
+def _shown(remote: Endpoint) -> str:
+    """An endpoint for an error message, without its token."""
+    return repr({k: v for k, v in dict(remote).items() if k != "token"})
 
 
 def _payload(batch: WorkBatch) -> int:

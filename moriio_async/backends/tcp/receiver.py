@@ -7,6 +7,11 @@ that succeeded: header and payloads land with one ``recvmsg`` straight into the
 local SGEs, with the chunk's local regions pinned. The thread blocks in socket
 calls with the GIL released and exits when the pair leaves RTS (the error path
 shuts the socket down, which wakes it).
+
+A response that comes short (its first call did not bring it whole) is due
+within one total deadline from then (``iov.Deadline``: ``retry_timeout`` plus
+its payload at ``MIN_RATE``), so a target that sends a byte now and then
+cannot hold the thread, or the local regions it lands in, for longer.
 """
 
 from __future__ import annotations
@@ -21,7 +26,18 @@ from ...status import Opcode, WcStatus
 from ...work import WorkRequest
 from ..base import QpState
 from .hooks import Fault
-from .iov import address, advance, advance_buffers, iovecs, prefix, recv_all, recv_buffers, recv_exact, recvmsg
+from .iov import (
+    Deadline,
+    address,
+    advance,
+    advance_buffers,
+    iovecs,
+    prefix,
+    recv_all,
+    recv_buffers,
+    recv_exact,
+    recvmsg,
+)
 from .pairstate import Chunk, PairState
 from .wire import RESPONSE, PeerGone, VendorErr, peer_progress
 
@@ -61,7 +77,9 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
                 continue
             got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
             if got % _SIZE:
-                recv_exact(sock, view[got : got + _SIZE - got % _SIZE])
+                deadline = Deadline.after(sock, st.retry_timeout, 0)
+                recv_exact(sock, view[got : got + _SIZE - got % _SIZE], deadline)
+                deadline.end()
                 got += _SIZE - got % _SIZE
             for i in range(got // _SIZE):
                 if not _on_write_response(st, RESPONSE.unpack_from(buf, i * _SIZE)):
@@ -178,21 +196,23 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
                     iov[0] = (address(header), _SIZE)
                     iov[1:] = scatter
                     got = _patient(sock, lambda: recvmsg(fd, iov))
-                _finish_header(sock, header, got)
+                _finish_header(st, sock, header, got)
                 r: Response = RESPONSE.unpack_from(header.data)
                 # No pair lock here: fail_locked takes it and then waits for rx_lock. Only this
                 # thread moves the head chunk's fields, and a state read races as harmlessly.
                 ok = st.state == _RTS and _valid(head, r)
                 left = r[6] - max(0, got - _SIZE)
                 if ok and left > 0:
+                    deadline = Deadline.after(sock, st.retry_timeout, left)
                     if views is not None:
-                        recv_buffers(sock, advance_buffers(buffers, got), left)
+                        recv_buffers(sock, advance_buffers(buffers, got), left, deadline)
                     else:
                         start = advance(iov, 0, got)
-                        recv_all(fd, prefix(iov, start, left), left)
+                        recv_all(fd, prefix(iov, start, left), left, 0, deadline)
+                    deadline.end()
             else:  # a local region died after the chunk was sent: drain what it would have received
                 got = _patient(sock, lambda: sock.recv_into(header.data, _SIZE, _WAITALL))
-                _finish_header(sock, header, got)
+                _finish_header(st, sock, header, got)
                 r = RESPONSE.unpack_from(header.data)
                 starts = head.batch.sge_start
                 a = int(starts[head.lo])
@@ -202,10 +222,12 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
                 ok = st.state == _RTS and _valid(head, r)
                 if ok:
                     keep = _payload(head, head.lo, head.lo + min(lost, r[4])) if min(lost, r[4]) else 0
+                    deadline = Deadline.after(sock, st.retry_timeout, r[6])
                     if keep:
                         assert scatter is not None  # a one-request chunk keeps nothing when its region is gone
-                        recv_all(fd, prefix(scatter, 0, keep), keep)
-                    _drain(sock, r[6] - keep, scratch)
+                        recv_all(fd, prefix(scatter, 0, keep), keep, 0, deadline)
+                    _drain(sock, r[6] - keep, scratch, deadline)
+                    deadline.end()
         finally:
             local.unpin()
     if not ok:
@@ -228,14 +250,18 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
         return st.state == _RTS
 
 
-def _finish_header(sock: socket.socket, header: np.ndarray, got: int) -> None:
+def _finish_header(st: PairState, sock: socket.socket, header: np.ndarray, got: int) -> None:
     if got < _SIZE:
-        recv_exact(sock, header.data[got:])
+        deadline = Deadline.after(sock, st.retry_timeout, 0)
+        recv_exact(sock, header.data[got:], deadline)
+        deadline.end()
 
 
-def _drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
-    """Read and discard ``nbytes`` without touching any region."""
+def _drain(sock: socket.socket, nbytes: int, scratch: memoryview, deadline: Deadline) -> None:
+    """Read and discard ``nbytes`` without touching any region (by ``deadline``)."""
     while nbytes > 0:
         chunk = scratch[: min(nbytes, len(scratch))]
-        recv_exact(sock, chunk)
+        recv_exact(sock, chunk, deadline)
         nbytes -= len(chunk)
+        if nbytes:
+            deadline.check()

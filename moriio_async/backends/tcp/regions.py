@@ -1,22 +1,37 @@
-"""Registered memory: the region table, key allocation, and the checks a NIC makes.
+"""Registered memory: the region table, key allocation, exports, and the checks a NIC makes.
+
+Keys are drawn from a keyed permutation of a counter (``KeyStream``): random
+to a peer, and never repeated within a backend, without remembering the keys
+handed out.
+
+Exports: the target's checks find a region by rkey only once it was exported
+(``RegionTable.export``); until then its rkey is unknown to the data plane
+(``REM_ACCESS_ERR``, ``UNKNOWN_RKEY``: a peer cannot even tell it exists).
 
 Deregistration races with requests being served on other threads. A region is
 *pinned* for exactly as long as a socket call reads or writes its bytes, and
 ``RegionTable.deregister`` first marks it dead (no new pin succeeds, and its
-keys are gone from the table), then waits for the pins to drop. So once
-deregistration returns, no byte of the buffer is read or written again. The
-wait is as long as one in-progress socket call (a READ's response is
-received with its region pinned), which the silence timeout bounds even
-against a stalled peer (one to two ``retry_timeout``s).
+keys are gone from the table). A pin taken for a peer's request names its
+holder (the responder serving it, an ``Abortable``): deregistration aborts
+every such holder (a socket shutdown, which ends the socket call at once
+however slowly the peer sends), then waits for the pins to drop, which is
+then as long as a woken system call takes to return. So once deregistration
+returns, no byte of the buffer is read or written again, and a peer cannot
+make it wait. Pins without a holder (the initiator's own sends and receives,
+which the engine never deregisters under) are waited for as before.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import logging
 import secrets
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -26,45 +41,109 @@ from ...status import Access, Opcode
 from ..base import MemoryRegion
 from .wire import VendorErr
 
-__all__ = ["Checked", "RegionTable", "TcpRegion", "unpin_all"]
+__all__ = ["ABORT_GRACE", "Abortable", "Checked", "KeyStream", "RegionTable", "TcpRegion", "unpin_all"]
+
+log = logging.getLogger("moriio_async.tcp")
+
+ABORT_GRACE = 2.0
+"""Most seconds deregistration waits for aborted socket calls to return (microseconds in practice:
+a shut-down socket's call returns at once; this bounds only a starved thread)."""
 
 U32 = npt.NDArray[np.uint32]
 U64 = npt.NDArray[np.uint64]
 
 
+class Abortable(Protocol):
+    """Who holds a pin for a peer's request: can end its socket call at once, from any thread."""
+
+    def abort(self) -> None:
+        """End the socket call moving this region's bytes (a shutdown); the holder then unpins."""
+
+
 @dataclass(eq=False, slots=True)
 class TcpRegion(MemoryRegion):
-    """A registered buffer with its liveness and pin count."""
+    """A registered buffer with its liveness, export and pins (by holder)."""
 
     can_local_write: bool = False
     can_remote_write: bool = False
     can_remote_read: bool = False
     live: bool = True
+    exported: bool = False
     pins: int = 0
+    holders: dict[Abortable, int] = field(default_factory=dict, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     drained: threading.Event = field(default_factory=threading.Event, repr=False)
 
-    def pin(self) -> bool:
+    def pin(self, holder: Abortable | None = None) -> bool:
         """Hold the region alive for one socket call; False when it was deregistered."""
         with self.lock:
             if not self.live:
                 return False
             self.pins += 1
+            if holder is not None:
+                self.holders[holder] = self.holders.get(holder, 0) + 1
             return True
 
-    def unpin(self) -> None:
+    def unpin(self, holder: Abortable | None = None) -> None:
         with self.lock:
             self.pins -= 1
+            if holder is not None:
+                left = self.holders.pop(holder, 1) - 1
+                if left:
+                    self.holders[holder] = left
             if not self.pins and not self.live:
                 self.drained.set()
 
     def kill(self) -> None:
-        """Mark dead, then wait until no socket call touches the buffer any more."""
+        """Mark dead, abort the peers' socket calls on it, and wait until no socket call touches the buffer."""
         with self.lock:
             self.live = False
             if not self.pins:
                 return
+            holders = list(self.holders)
+            only_peers = sum(self.holders.values()) == self.pins
+        for holder in holders:
+            holder.abort()
+        if only_peers:
+            if not self.drained.wait(ABORT_GRACE):
+                log.warning("tcp region %#x: aborted socket calls still hold it after %gs", self.addr, ABORT_GRACE)
+                self.drained.wait()
+            return
         self.drained.wait()
+
+
+class KeyStream:
+    """32-bit keys that look random and never repeat: a keyed 4-round Feistel permutation of a counter.
+
+    A permutation of 2**32 values applied to 0, 1, 2, ... gives distinct outputs
+    until the counter wraps (four billion registrations), with no set of used
+    keys to keep; the key is secret and per backend, so a peer that saw some
+    rkeys cannot predict the next one. 0 is skipped (no region has key 0).
+    """
+
+    def __init__(self) -> None:
+        self._key = secrets.token_bytes(16)
+        self._counter = 0
+        self._lock = threading.Lock()
+
+    def _round(self, half: int, i: int) -> int:
+        digest = hashlib.blake2s(struct.pack("<HB", half, i), key=self._key, digest_size=2).digest()
+        return int.from_bytes(digest, "little")
+
+    def permute(self, x: int) -> int:
+        left, right = x >> 16, x & 0xFFFF
+        for i in range(4):
+            left, right = right, left ^ self._round(right, i)
+        return (left << 16) | right
+
+    def next(self) -> int:
+        while True:
+            with self._lock:
+                n = self._counter
+                self._counter = (n + 1) & 0xFFFFFFFF
+            key = self.permute(n)
+            if key:
+                return key
 
 
 def address_of(view: memoryview) -> int:
@@ -79,14 +158,11 @@ class RegionTable:
         self._lock = threading.Lock()
         self.by_lkey: dict[int, TcpRegion] = {}
         self.by_rkey: dict[int, TcpRegion] = {}
-        self._used: set[int] = set()  # keys are never reused, so a stale key never hits a new region
+        """Exported regions only: what a peer's rkey can name."""
+        self._keys = KeyStream()  # never repeats, so a stale key never hits a new region
 
     def _new_key(self) -> int:
-        while True:
-            key = secrets.randbits(32)
-            if key and key not in self._used:
-                self._used.add(key)
-                return key
+        return self._keys.next()
 
     def register(self, buffer: memoryview, access: Access) -> TcpRegion:
         view = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
@@ -108,8 +184,16 @@ class RegionTable:
                 can_remote_read=bool(access & Access.REMOTE_READ),
             )
             self.by_lkey[region.lkey] = region
-            self.by_rkey[region.rkey] = region
         return region
+
+    def export(self, region: MemoryRegion) -> None:
+        """Make ``region`` reachable by peers on the data plane (its rkey is found from now on). Idempotent."""
+        with self._lock:
+            found = self.by_lkey.get(region.lkey)
+            if found is not region or not found.live:
+                return
+            found.exported = True
+            self.by_rkey[found.rkey] = found
 
     def deregister(self, region: MemoryRegion) -> None:
         """Forget the keys, then wait for in-progress socket calls on the buffer. Idempotent."""
@@ -118,7 +202,7 @@ class RegionTable:
             if found is not region:
                 return
             del self.by_lkey[region.lkey]
-            del self.by_rkey[region.rkey]
+            self.by_rkey.pop(region.rkey, None)
         found.kill()
 
     def clear(self) -> None:
@@ -134,13 +218,16 @@ class RegionTable:
         return _check(self.by_lkey, lkeys, addrs, lengths, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
                       VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
 
-    def check_remote(self, opcode: int, rkeys: U32, addrs: U64, lengths: U64) -> Checked:
+    def check_remote(
+        self, opcode: int, rkeys: U32, addrs: U64, lengths: U64, holder: Abortable | None = None
+    ) -> Checked:
         """The target's checks on a chunk's remote ranges, with the regions of the requests before
-        the first failure pinned (one deregistered meanwhile fails there as REMOTE_DEREGISTERED)."""
+        the first failure pinned by ``holder`` (one deregistered meanwhile fails there as REMOTE_DEREGISTERED)."""
         write = opcode == Opcode.RDMA_WRITE
         allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
         checked = _check(self.by_rkey, rkeys, addrs, lengths, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
                          VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
+        checked.holder = holder
         checked.pin(VendorErr.REMOTE_DEREGISTERED)
         return checked
 
@@ -149,12 +236,15 @@ class RegionTable:
         return _check_one(self.by_lkey, lkey, addr, length, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
                           VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
 
-    def check_remote_one(self, opcode: int, rkey: int, addr: int, length: int) -> Checked:
+    def check_remote_one(
+        self, opcode: int, rkey: int, addr: int, length: int, holder: Abortable | None = None
+    ) -> Checked:
         """``check_remote`` for one request, on plain integers (pinned likewise)."""
         write = opcode == Opcode.RDMA_WRITE
         allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
         checked = _check_one(self.by_rkey, rkey, addr, length, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
                              VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
+        checked.holder = holder
         checked.pin(VendorErr.REMOTE_DEREGISTERED)
         return checked
 
@@ -169,6 +259,8 @@ class Checked:
     found: list[TcpRegion | None]
     which: npt.NDArray[np.intp]
     pinned: list[TcpRegion] = field(default_factory=list)
+    holder: Abortable | None = None
+    """Who the pins are held for (a responder, which deregistration can abort)."""
 
     def used(self) -> list[tuple[int, TcpRegion]]:
         """The regions (with their index in ``found``) that the blocks before the first failure use."""
@@ -183,13 +275,13 @@ class Checked:
         if len(self.found) == 1:  # one region (the usual case): no bookkeeping
             region = self.found[0]
             if self.first_bad and region is not None:
-                if region.pin():
+                if region.pin(self.holder):
                     self.pinned.append(region)
                 else:
                     self.first_bad, self.vendor = 0, dead
             return
         for j, region in self.used():
-            if region.pin():
+            if region.pin(self.holder):
                 self.pinned.append(region)
                 continue
             first_use = int(np.argmax(self.which == j)) if len(self.found) > 1 else 0
@@ -198,20 +290,20 @@ class Checked:
         if self.pinned and len(self.pinned) != len(still := self.used()):
             keep = {id(r) for _, r in still}
             for region in [r for r in self.pinned if id(r) not in keep]:
-                region.unpin()
+                region.unpin(self.holder)
             self.pinned = [r for r in self.pinned if id(r) in keep]
 
     def unpin(self) -> None:
-        unpin_all(self.pinned)
+        unpin_all(self.pinned, self.holder)
 
 
 _ZERO = np.zeros(1, dtype=np.intp)
 _ZERO.flags.writeable = False
 
 
-def unpin_all(regions: list[TcpRegion]) -> None:
+def unpin_all(regions: list[TcpRegion], holder: Abortable | None = None) -> None:
     for region in regions:
-        region.unpin()
+        region.unpin(holder)
     regions.clear()
 
 

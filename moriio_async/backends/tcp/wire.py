@@ -5,7 +5,8 @@ hello; after that it only sends chunks and the passive side only sends
 responses, in order (RC)::
 
     hello      (active -> passive, once)   28 bytes  "<4sHH16sI"
-        magic b"MRIO", version, flags=0, token (16 random bytes), active qp_num
+        magic b"MRIO", version, flags=0, token (16 bytes, single-use: derived from the
+        control link's session key with a shared secret, else random; see qp.py), active qp_num
     hello-ack  (passive -> active, once)   12 bytes  "<4sHHI"
         magic, version, status (HelloStatus), passive qp_num
     chunk      (active -> passive)         16 bytes  "<BBHIII", then count x 24-byte descriptors

@@ -18,7 +18,9 @@ Each engine runs a moriio_async ``IOEngine`` on an event loop thread of its own
 (``IOEngine.aio``, ``IOEngine.loop``); completions come from that loop's
 completion reader. What differs from MoRI-IO is listed in each module's
 docstring: ``config`` (which ``RdmaBackendConfig`` fields are honoured),
-``plan`` and ``session`` (striping), ``inbound`` (target-side status).
+``plan`` and ``session`` (striping, target-side status), ``runtime`` (what
+the moriio_async engine provides: uids, inbound statuses, ``alive``,
+``deregister_remote_engine``).
 """
 
 from __future__ import annotations

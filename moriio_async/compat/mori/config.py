@@ -15,8 +15,9 @@ post_batch_size            -1         honoured: the merged requests are posted i
 num_worker_threads         -1         accepted, ignored: posting never blocks, and completions
                                       come from the event loop's reader
 poll_cq_mode               POLLING    accepted, ignored: completions are event-driven always
-enable_notification        True       honoured: the target learns of finished transfers
-                                      (``pop_inbound_transfer_status``)
+enable_notification        True       honoured: the target learns how each posted transfer
+                                      ended (``pop_inbound_transfer_status``; the engine's
+                                      ``done`` notice, bounded by ``max_inbound_statuses``)
 notif_per_qp               1024       validated (>= 1 with notifications), else ignored: no
                                       receive buffers are pre-posted
 enable_transfer_chunking   False      accepted, ignored: the engine splits requests above

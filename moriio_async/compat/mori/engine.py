@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import queue
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -23,7 +22,6 @@ from moriio_async import IOEngine as AsyncEngine
 from .config import FabricBackendConfig, IOEngineConfig, RdmaBackendConfig, XgmiBackendConfig
 from .desc import EngineDesc, MemoryDesc
 from .enums import BackendType, MemoryLocationType, StatusCode
-from .inbound import INBOUND_PREFIX
 from .plan import check_blocks
 from .runtime import NO_BACKEND, EngineRuntime, backend_name_for
 from .session import IOEngineSession
@@ -67,17 +65,12 @@ class IOEngine:
 
     def notify(self, peer_key: str, data: bytes) -> None:
         """Send a small message to a registered peer engine; it arrives after data this engine saw complete."""
-        if bytes(data).startswith(INBOUND_PREFIX):
-            raise ValueError("notification data may not start with the compat layer's inbound-status prefix")
         self._rt.loop.run(self._rt.aio.notify(peer_key, bytes(data)), "IOEngine.notify")
 
     def recv_notification(self, timeout: float | None = None) -> tuple[str, bytes]:
         """The next (peer key, data) notification; ``TimeoutError`` after ``timeout`` seconds."""
-        self._rt.loop.forbid_blocking("IOEngine.recv_notification")
-        try:
-            return self._rt.notes.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no notification within {timeout}s") from None
+        note = self._rt.loop.run(self._rt.aio.recv_notification(timeout), "IOEngine.recv_notification")
+        return note.peer, note.data
 
     # -- MoRI-IO -----------------------------------------------------------------------------------
 
@@ -105,7 +98,8 @@ class IOEngine:
         self._rt.register_remote_engine(engine_desc)
 
     def deregister_remote_engine(self, engine_desc: EngineDesc) -> None:
-        """Forget a peer: new sessions and engine-level transfers to it fail; existing sessions keep working."""
+        """Forget a peer: new sessions and engine-level transfers to it fail; existing sessions keep working,
+        and transfers in flight end as they would."""
         self._rt.deregister_remote_engine(engine_desc)
 
     def register_memory(self, ptr: int, size: int, device_id: int, mem_loc: MemoryLocationType) -> MemoryDesc:
@@ -197,11 +191,16 @@ class IOEngine:
                           transfer_uids)  # fmt: skip
 
     def pop_inbound_transfer_status(self, remote_key: str, transfer_uid: int) -> TransferStatus | None:
-        """Target side: a SUCCESS status once engine ``remote_key``'s transfer ``transfer_uid`` finished, else None."""
-        if not self._rt.inbound.pop(remote_key, int(transfer_uid)):
+        """Target side: once engine ``remote_key``'s transfer ``transfer_uid`` ended there, a status with its
+        code, else None. Returned once (MoRI-IO keeps answering); a failure is reported too (MoRI-IO's
+        target never hears of one)."""
+        found = self._rt.aio.pop_inbound_transfer_status(remote_key, int(transfer_uid))
+        if found is None:
             return None
+        code = StatusCode(int(found))
         status = self._rt.new_status()
-        status.SetCode(StatusCode.SUCCESS)
+        message = "" if code is StatusCode.SUCCESS else f"transfer {transfer_uid} failed at engine {remote_key!r}"
+        status.Update(code, message)
         return status
 
     def wait_all(self, statuses: Iterable[TransferStatus | None], timeout_ms: int = -1) -> StatusCode:

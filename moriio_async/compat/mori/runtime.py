@@ -1,19 +1,27 @@
 """``EngineRuntime``: what a compat engine and its sessions share.
 
 It owns the loop thread, the moriio_async ``IOEngine`` running on it, the
-tables callers read from other threads (remote engines, backends, inbound
-statuses) and the ones only the loop thread touches (local regions, cached
-engine-level sessions). It holds no reference to the ``IOEngine`` facade, so
-the facade can be collected and its finalizer close the runtime.
+tables callers read from other threads (remote engines, backends) and the
+ones only the loop thread touches (local regions, cached engine-level
+sessions). It holds no reference to the ``IOEngine`` facade, so the facade can
+be collected and its finalizer close the runtime.
+
+Uids, target-side statuses, ``alive`` and ``deregister_remote_engine`` are
+the engine's own (``IOEngine.allocate_transfer_uid``, ``announce_transfer``,
+``pop_inbound_transfer_status``, ``Session.alive``,
+``deregister_remote_engine``). A MoRI-IO status may span several engine
+transfers (its stripes), and MoRI-IO lets a caller reuse a uid, so a status
+is announced once, with ``announce_transfer``, when all its parts have ended,
+instead of handing its uid to each part.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
-import queue
 import threading
 import weakref
 from collections import deque
@@ -25,11 +33,11 @@ from moriio_async import IOEngine as AsyncEngine
 from moriio_async import IOEngineConfig as AsyncEngineConfig
 from moriio_async import MemoryDesc as AsyncMemoryDesc
 from moriio_async import MoriioError
+from moriio_async import StatusCode as AsyncStatusCode
 
 from .config import IOEngineConfig, RdmaBackendConfig
 from .desc import IPC_HANDLE_SIZE, EngineDesc, MemoryDesc
-from .enums import BackendType, MemoryLocationType
-from .inbound import InboundTable, decode_inbound, encode_inbound
+from .enums import BackendType, MemoryLocationType, StatusCode
 from .loop import LoopThread
 from .session import IOEngineSession
 from .status import TransferStatus
@@ -94,8 +102,6 @@ class EngineRuntime:
         if base is None:
             base = AsyncEngineConfig(backend=backend_name_for(BackendType.RDMA))
         self.options = replace(base, host=config.host or "127.0.0.1", port=config.port)
-        self.inbound = InboundTable()
-        self.notes: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self.rdma = RdmaBackendConfig().effective()
         self.closed = False
         self.remotes: dict[str, EngineDesc] = {}
@@ -104,7 +110,6 @@ class EngineRuntime:
         self.pairs: dict[tuple[int, str, int, int], Pair] = {}  # loop thread only
         self.sessions: weakref.WeakSet[IOEngineSession] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._uids = itertools.count(0)
         self._mem_ids = itertools.count(0)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._open_lock: asyncio.Lock | None = None
@@ -120,18 +125,7 @@ class EngineRuntime:
     async def _start(self, options: AsyncEngineConfig) -> AsyncEngine:
         engine = AsyncEngine(self.key, options)
         await engine.start()
-        self._spawn(self._listen(engine))
         return engine
-
-    async def _listen(self, engine: AsyncEngine) -> None:
-        """Every notification of the engine: inbound statuses to their table, the rest to ``notes``."""
-        while not engine.closed:
-            note = await engine.recv_notification()
-            uid = decode_inbound(note.data)
-            if uid is None:
-                self.notes.put((note.peer, note.data))
-            else:
-                self.inbound.add(note.peer, uid)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -178,8 +172,7 @@ class EngineRuntime:
         return TransferStatus(loop_guard=self.loop.forbid_blocking)
 
     def allocate_transfer_uid(self) -> int:
-        with self._lock:
-            return next(self._uids) & ((1 << 64) - 1)
+        return self.aio.allocate_transfer_uid()  # thread-safe
 
     # -- backends --------------------------------------------------------------------------------
 
@@ -232,7 +225,7 @@ class EngineRuntime:
         return self.loop.call(self._register, buffer, device_id, keep)
 
     def _register(self, buffer: object, device_id: int, keep: object) -> MemoryDesc:
-        inner = self.aio.register_memory(buffer)
+        inner = self.aio.register_memory(buffer, export=True)  # MoRI-IO: a peer given the packed desc reaches it
         desc = MemoryDesc(
             self.key, next(self._mem_ids) & 0xFFFFFFFF, device_id, "", inner.addr, inner.length,
             MemoryLocationType.CPU, bytes(IPC_HANDLE_SIZE), -1, inner.incarnation, inner.rkey, int(inner.access),
@@ -258,19 +251,44 @@ class EngineRuntime:
         self.loop.call(self.aio.register_remote_engine, desc.inner)
 
     def deregister_remote_engine(self, desc: EngineDesc) -> None:
+        """Forget ``desc``'s engine; transfers already accepted end as they would (see ``_drop_pair``)."""
         with self._lock:
             self.remotes.pop(desc.key, None)
 
         def drop() -> None:
+            opening = []
             for key in [k for k in self.pairs if k[1] == desc.key]:
+                if not self.pairs[key].task.done():
+                    opening.append(self.pairs[key].task)
                 self._drop_pair(key)
+            if opening:  # calls made before this one still open their session: forget the peer after them
+                self._spawn(self._forget_after(desc.key, opening))
+            else:
+                self._forget(desc.key)
 
         if self.loop.running:
             self.loop.call(drop)
 
-    async def open_session(self, local: MemoryDesc, remote: MemoryDesc, owner: object = None) -> IOEngineSession | None:
-        """A striped session, or None where MoRI-IO has none (no backend, remote engine not registered)."""
-        if self.problem(remote.engine_key) is not None:
+    async def _forget_after(self, key: str, opening: list[asyncio.Task[IOEngineSession | None]]) -> None:
+        await asyncio.wait(opening)
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            if key in self.remotes:
+                return  # registered again meanwhile
+        with contextlib.suppress(MoriioError):  # a closed engine has nothing to forget
+            self.aio.deregister_remote_engine(key)
+
+    async def open_session(
+        self, local: MemoryDesc, remote: MemoryDesc, owner: object = None, *, accepted: bool = False
+    ) -> IOEngineSession | None:
+        """A striped session, or None where MoRI-IO has none (no backend, remote engine not registered).
+
+        ``accepted``: for transfer calls that were checked when made; a deregistration since then does not
+        stop them (in MoRI-IO the call builds its connection before it returns).
+        """
+        if self.problem(None if accepted else remote.engine_key) is not None:
             return None
         region = self.locals.get(local.id)
         if region is None or region.desc != local:
@@ -307,31 +325,29 @@ class EngineRuntime:
             self._drop_pair(key)
             pair = None
         if pair is None:
-            pair = self.pairs[key] = Pair(self.loop.loop.create_task(self.open_session(local, remote)))
+            pair = self.pairs[key] = Pair(self.loop.loop.create_task(self.open_session(local, remote, accepted=True)))
         pair.waiting.append(then)
 
     def _drop_pair(self, key: tuple[int, str, int, int]) -> None:
+        """Stop using a cached session; it closes once what it carries has ended (nothing in flight is aborted,
+        unless it is still running after ``transfer_timeout``)."""
         pair = self.pairs.pop(key)
+        timeout = self.options.transfer_timeout
 
         def close(_: object) -> None:
             session, _error = pair.outcome()
             if session is not None and not session.closed:
-                self._spawn(session.aclose())
+                self._spawn(session.aclose(drain_timeout=timeout))
 
         pair.task.add_done_callback(close)
 
-    # -- notifications ---------------------------------------------------------------------------
+    # -- target-side status --------------------------------------------------------------------
 
-    def announce(self, peer: str, uid: int) -> None:
-        """Loop thread: tell ``peer`` that transfer ``uid`` finished (see inbound.py)."""
+    def announce(self, peer: str, uid: int, code: StatusCode) -> None:
+        """Loop thread: tell ``peer`` that the status for ``uid`` ended with ``code`` (its ``done`` notice)."""
         if self.closed:
             return
-        engine = self.aio
-
-        async def send() -> None:
-            try:
-                await engine.notify(peer, encode_inbound(uid))
-            except (MoriioError, OSError) as exc:
-                log.debug("inbound status of uid %d not sent to %s: %s", uid, peer, exc)
-
-        self._spawn(send())
+        try:
+            self.aio.announce_transfer(peer, uid, AsyncStatusCode(int(code)))
+        except MoriioError as exc:
+            log.debug("inbound status of uid %d not sent to %s: %s", uid, peer, exc)

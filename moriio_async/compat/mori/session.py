@@ -15,10 +15,18 @@ Order and failure, striped:
   post to fail (in completion order). Waiting for all before reporting a
   failure means that when ``Wait()`` returns, no queue pair still touches
   the buffers.
+
+With ``enable_notification`` (the default), a status that was posted tells
+the target how it ended, once all its parts have (``announce``: the engine's
+``done`` notice): MoRI-IO's target hears only of successes, this one of
+failures too. A status refused before posting (bad input, no backend) is not
+announced, as in MoRI-IO.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -40,7 +48,7 @@ class SessionRuntime(Protocol):
 
     def allocate_transfer_uid(self) -> int: ...
 
-    def announce(self, peer: str, uid: int) -> None: ...
+    def announce(self, peer: str, uid: int, code: StatusCode) -> None: ...
 
     def new_status(self) -> TransferStatus: ...
 
@@ -65,13 +73,13 @@ def code_for(exc: BaseException) -> StatusCode:
 class StatusJoin:
     """Ends one status when all of its ``parts`` posts ended (loop thread only)."""
 
-    __slots__ = ("_failure", "_on_success", "_remaining", "_status")
+    __slots__ = ("_failure", "_on_end", "_remaining", "_status")
 
-    def __init__(self, status: TransferStatus, parts: int, on_success: Callable[[], None] | None) -> None:
+    def __init__(self, status: TransferStatus, parts: int, on_end: Callable[[StatusCode], None] | None) -> None:
         self._status = status
         self._remaining = parts
         self._failure: tuple[int, str] | None = None
-        self._on_success = on_success
+        self._on_end = on_end
 
     def end(self, code: int, message: str) -> None:
         if code != StatusCode.SUCCESS and self._failure is None:
@@ -79,12 +87,13 @@ class StatusJoin:
         self._remaining -= 1
         if self._remaining:
             return
+        final = StatusCode(self._failure[0]) if self._failure is not None else StatusCode.SUCCESS
+        if self._on_end is not None:
+            self._on_end(final)  # announce before the status is visible: the target hears of it soonest
         if self._failure is not None:
             self._status.Update(*self._failure)
-            return
-        if self._on_success is not None:
-            self._on_success()  # announce before the status is visible: the target hears of it soonest
-        self._status.Update(StatusCode.SUCCESS, SUCCESS_MESSAGE)
+        else:
+            self._status.Update(StatusCode.SUCCESS, SUCCESS_MESSAGE)
 
     def transfer_ended(self, transfer: Transfer) -> None:
         self.end(transfer.Code(), transfer.Message())
@@ -148,16 +157,24 @@ class IOEngineSession:
         return self._submit(False, local_offsets, remote_offsets, sizes, transfer_uid)
 
     def alive(self) -> bool:
-        """Usable: not closed, the engine open with a backend, no stripe closed or talking to a restarted peer."""
-        return not self.closed and self._rt.problem() is None and not any(s.closed or s.stale for s in self.stripes)
+        """Usable now: not closed, the engine open with a backend, and every stripe's ``Session.alive()``
+        (its queue pair ready, its peer's control link open, the peer not restarted). MoRI-IO's ``Alive()``
+        always answers true. Reads state only, so it is safe from any thread."""
+        return not self.closed and self._rt.problem() is None and all(s.alive() for s in self.stripes)
 
     def close(self) -> None:
         """Abort what is in flight and destroy the queue pairs (not in MoRI-IO). Idempotent; blocks."""
         if not self.closed and self._rt.loop.running:
             self._rt.loop.run(self.aclose(), "IOEngineSession.close")
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain_timeout: float | None = None) -> None:
+        """Close every stripe; with ``drain_timeout``, first let what they carry end (up to that long)."""
         self.closed = True
+        if drain_timeout is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_timeout):
+                    for stripe in self.stripes:
+                        await stripe.drain()
         for stripe in self.stripes:
             await stripe.close()
 
@@ -180,7 +197,7 @@ class IOEngineSession:
         if not parts:  # MoRI-IO: an empty batch succeeds at once, and is announced like any other
             status.Update(StatusCode.SUCCESS, "")
             if self.config.enable_notification:
-                self._rt.loop.post(self._rt.announce, self.remote.engine_key, uid)
+                self._rt.loop.post(self._rt.announce, self.remote.engine_key, uid, StatusCode.SUCCESS)
             return status
         status.SetCode(StatusCode.IN_PROGRESS)
         self._rt.loop.post(self.post_parts, read, parts, status, uid)
@@ -195,17 +212,17 @@ class IOEngineSession:
             self.post_parts(read, parts, status, uid)
             return
         if self.config.enable_notification:
-            self._rt.announce(self.remote.engine_key, uid)
+            self._rt.announce(self.remote.engine_key, uid, StatusCode.SUCCESS)
         status.Update(StatusCode.SUCCESS, "")
 
     def post_parts(self, read: bool, parts: list[Part], status: TransferStatus, uid: int) -> None:
         """Loop thread: post every part on its stripe; the status ends when all have ended."""
         peer = self.remote.engine_key
-        announce: Callable[[], None] | None = None
+        announce: Callable[[StatusCode], None] | None = None
         if self.config.enable_notification:
 
-            def announce() -> None:
-                self._rt.announce(peer, uid)
+            def announce(code: StatusCode) -> None:
+                self._rt.announce(peer, uid, code)
 
         join = StatusJoin(status, len(parts), announce)
         for part in parts:

@@ -191,7 +191,10 @@ class AsyncMoRIIOWrapper(_Pending[Transfer]):
 
     The transfer calls return ``moriio_async.Transfer`` objects (awaitable, with the
     same status methods); the wait is a coroutine. Empty batches keep the async
-    API's stricter checks (``InvalidArgument``).
+    API's stricter checks (``InvalidArgument``). They pass no transfer uid: a uid
+    is what makes the engine announce a transfer to its target, and vLLM turns
+    MoRI-IO's notifications off (``set_backend_type``), signalling over its own
+    channel instead.
     """
 
     def __init__(

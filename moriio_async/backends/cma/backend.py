@@ -1,0 +1,186 @@
+"""CmaBackend: one-sided READ and WRITE between processes of one host, at memory speed.
+
+Threads, per backend: the target port's accept thread and one thread per
+initiator connected to it (``target.py``); per active queue pair: a worker
+and a reader (``worker.py``, ``initiator.py``), plus ``threads - 1`` helpers
+when windows are split. None of them touches asyncio; the worker's copies
+run in ctypes calls, with the GIL released.
+
+Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
+``threads`` (int, default 1: threads a large window is split over),
+``round_bytes`` (default 16 MiB: bytes per window under the copy lock),
+``split_bytes`` (default 1 MiB: smaller windows are not split),
+``ptracer`` ("peer", "any" or "off": see ``permissions.py``),
+``revoke_wait`` (seconds, default 0.1: how long deregistration waits for a window an initiator
+is copying right now, usually about a millisecond, before it cuts that initiator off).
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from ...errors import EngineClosed, InvalidArgument
+from ...status import Access
+from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
+from ..softcq import SoftCompletionQueue
+from .kernel import yama_scope
+from .permissions import PtracerPolicy, has_cap_sys_ptrace
+from .qp import MAX_SEND_WR, MAX_SGE, CmaQueuePair, Tuning
+from .regions import LocalTable, table_flags
+from .table import RegionTable
+from .target import TargetPort
+from .wire import VERSION
+
+__all__ = ["CmaBackend", "tuning_from"]
+
+
+def _int_setting(extra: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = extra.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidArgument(f"backend_extra[{key!r}] must be an int in {low}..{high}, not {value!r}")
+    return value
+
+
+def tuning_from(extra: Mapping[str, Any]) -> Tuning:
+    """The queue pairs' ``Tuning`` from ``backend_extra``, each value checked."""
+    default = Tuning()
+    return Tuning(
+        round_bytes=_int_setting(extra, "round_bytes", default.round_bytes, 64 << 10, 1 << 30),
+        threads=_int_setting(extra, "threads", default.threads, 1, 64),
+        split_bytes=_int_setting(extra, "split_bytes", default.split_bytes, 4 << 10, 1 << 30),
+    )
+
+
+class CmaBackend(Backend):
+    name: ClassVar[str] = "cma"
+
+    def __init__(self, options: BackendOptions) -> None:
+        self.options = options
+        self.tuning = tuning_from(options.extra)
+        revoke_wait = options.extra.get("revoke_wait", 0.1)
+        if not isinstance(revoke_wait, int | float) or isinstance(revoke_wait, bool) or not 0 < revoke_wait <= 60:
+            raise InvalidArgument(f"backend_extra['revoke_wait'] must be seconds in (0, 60], not {revoke_wait!r}")
+        policy = options.extra.get("ptracer", "peer")
+        try:
+            self.policy = PtracerPolicy(str(policy))
+        except ValueError as exc:
+            raise InvalidArgument(f"backend_extra['ptracer']: {exc}") from None
+        self.local = LocalTable()
+        self.table = RegionTable()
+        self.port = TargetPort(options, self.table, self.local, self.policy, revoke_wait)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._qp_numbers = itertools.count(0x10)
+        self._qps: dict[int, CmaQueuePair] = {}
+        self._cqs: list[SoftCompletionQueue] = []
+
+    # -- shared memory ------------------------------------------------------------------
+
+    def allocate_buffer(self, size: int) -> mmap.mmap:
+        """A zeroed buffer backed by a sealed memfd: same-host peers map it and copy with memmove."""
+        self._check_open()
+        return self.local.allocate(size)
+
+    def allocate_memory(self, size: int, access: Access | None = None) -> MemoryRegion:
+        """``allocate_buffer`` then ``register_memory`` (all access by default); ``region.view`` is the buffer."""
+        buffer = self.allocate_buffer(size)
+        return self.register_memory(memoryview(buffer), Access.all() if access is None else access)
+
+    # -- the contract -----------------------------------------------------------------
+
+    def register_memory(self, buffer: memoryview, access: Access) -> MemoryRegion:
+        self._check_open()
+        region = self.local.register(buffer, access)
+        try:
+            # Published live but with no remote access bits: until ``export_memory`` a peer's check
+            # refuses it (REM_ACCESS_ERR), as on tcp, where an unexported rkey is unknown.
+            region.rkey = self.table.publish(region.addr, region.length, table_flags(Access(0)), region.alloc,
+                                             region.alloc_off)  # fmt: skip
+        except BaseException:
+            self.local.remove(region)
+            raise
+        return region
+
+    def export_memory(self, region: MemoryRegion) -> None:
+        """From now on peers' checks grant ``region`` the remote access it was registered with."""
+        self.table.grant(region.rkey, table_flags(region.access))
+
+    def deregister_memory(self, region: MemoryRegion) -> None:
+        """Revoke the region: every initiator's next check fails (one store in the shared table).
+
+        Before it returns, it waits for a window an initiator is copying right now to end (its
+        in-use word, ``inuse.py``: about a millisecond; at most ``revoke_wait``, after which that
+        initiator is cut off); acknowledgements, unmapping and the slot's reuse are then handled
+        by the port's threads, never waited for here. Locally, it waits likewise for a copy into
+        or out of the region on this backend's own pairs."""
+        found = self.local.remove(region)
+        if found is None:
+            return
+        self.port.revoke(found)
+        with self._lock:
+            qps = list(self._qps.values())
+        for qp in qps:
+            with qp.pair_state.copy_lock:
+                pass
+
+    def create_cq(self, depth: int) -> CompletionQueue:
+        self._check_open()
+        cq = SoftCompletionQueue(depth)
+        with self._lock:
+            self._cqs.append(cq)
+        return cq
+
+    def create_qp(self, cq: CompletionQueue) -> QueuePair:
+        if not isinstance(cq, SoftCompletionQueue):
+            raise InvalidArgument("a cma queue pair needs a cma completion queue")
+        with self._lock:
+            self._check_open()
+            qp_num = next(self._qp_numbers) & 0xFFFFFF
+            qp = CmaQueuePair(qp_num, cq, self.local, self.port, self.options, self.tuning, self._forget)
+            self._qps[qp_num] = qp
+        return qp
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": "cma",
+            "socket": "@" + self.port.name,
+            "pid": os.getpid(),
+            "boot_id": self.port.boot,
+            "wire_version": VERSION,
+            "yama_ptrace_scope": yama_scope(),
+            "cap_sys_ptrace": has_cap_sys_ptrace(),
+            "ptracer": self.policy.policy,
+            "sq_depth": max(1, min(self.options.sq_depth, MAX_SEND_WR)),
+            "max_sge": max(1, min(self.options.max_sge, MAX_SGE)),
+            "round_bytes": self.tuning.round_bytes,
+            "threads": self.tuning.threads,
+            "split_bytes": self.tuning.split_bytes,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            qps = list(self._qps.values())
+            cqs = list(self._cqs)
+        for qp in qps:
+            qp.close()
+        self.port.close()
+        for cq in cqs:
+            cq.close()
+        self.local.clear()
+        self.table.close()
+
+    def _forget(self, qp: CmaQueuePair) -> None:
+        with self._lock:
+            self._qps.pop(qp.qp_num, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("the cma backend is closed")

@@ -1,0 +1,186 @@
+"""The target's region table, shared with its initiators read-only through a sealed memfd.
+
+Every region a cma backend registers gets a slot here; its rkey is the slot
+number in the low 16 bits and a fresh random tag in the high 16 bits, so a
+key never comes back after its region is gone. An initiator maps the table
+read-only when its queue pair connects and checks every remote request
+against it (rkey, range, access) before any byte moves: a revocation is one
+store by the target, visible to every initiator's next check at once, with
+no message in between.
+
+Ordering: the owner writes a slot as rkey := 0, fields, flags, rkey := key;
+a reader reads rkey, the fields, then rkey again, and trusts the fields only
+when both reads give its key. On x86-64 (stores are not reordered with
+stores, loads not with loads) that is a seqlock. A slot is reused only after
+every initiator connected at revocation time acknowledged it (``target.py``),
+so a reader never sees a slot rewritten under a key it still believes in.
+
+The file is sealed against shrinking and growing, so mapping it can never
+fault (SIGBUS) whatever the owner does later; the reader checks the seals.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from ...errors import InvalidArgument
+from .wire import VendorErr
+
+__all__ = ["LIVE", "READ", "RECORD", "SLOTS", "WRITE", "Checked", "RegionTable", "TableView", "seal_fd"]
+
+RECORD: Final = np.dtype(
+    [("rkey", "<u4"), ("flags", "<u4"), ("alloc", "<u4"), ("reserved", "<u4"),
+     ("addr", "<u8"), ("length", "<u8"), ("alloc_off", "<u8")]
+)  # fmt: skip
+SLOTS: Final = 1 << 16
+READ: Final = 1
+WRITE: Final = 2
+LIVE: Final = 4
+"""Set for every registered region (with or without remote access); a revocation clears every bit."""
+_MASK: Final = SLOTS - 1
+_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+U32 = npt.NDArray[np.uint32]
+U64 = npt.NDArray[np.uint64]
+
+
+def seal_fd(fd: int) -> None:
+    """Seal a memfd against shrinking, growing and further sealing."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+
+
+class RegionTable:
+    """The owner's side: slots, keys, and the memfd peers map."""
+
+    def __init__(self) -> None:
+        self.nbytes = SLOTS * RECORD.itemsize
+        self.fd = os.memfd_create("moriio-cma-table", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            seal_fd(self.fd)
+            self._map = mmap.mmap(self.fd, self.nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.records = np.frombuffer(self._map, dtype=RECORD)
+        self._lock = threading.Lock()
+        self._free = list(range(SLOTS - 1, 0, -1))  # slot 0 stays empty: no rkey is ever 0
+        self._tags = np.zeros(SLOTS, dtype=np.uint16)
+
+    def publish(self, addr: int, length: int, flags: int, alloc: int = 0, alloc_off: int = 0) -> int:
+        """Give a region a slot and a fresh key; its rkey."""
+        with self._lock:
+            if not self._free:
+                raise InvalidArgument(f"the cma backend holds at most {SLOTS - 1} regions at once")
+            slot = self._free.pop()
+            tag = int(self._tags[slot])
+            while tag == int(self._tags[slot]):
+                tag = secrets.randbelow(0xFFFF) + 1
+            self._tags[slot] = tag
+        rkey = slot | (tag << 16)
+        rec = self.records
+        rec["rkey"][slot] = 0
+        rec["addr"][slot] = addr
+        rec["length"][slot] = length
+        rec["alloc"][slot] = alloc
+        rec["alloc_off"][slot] = alloc_off
+        rec["flags"][slot] = flags
+        rec["rkey"][slot] = rkey
+        return rkey
+
+    def grant(self, rkey: int, flags: int) -> None:
+        """Set a live region's access bits (its export); a revoked or unknown key stays as it is."""
+        slot = rkey & _MASK
+        with self._lock:
+            if int(self.records["rkey"][slot]) == rkey and int(self.records["flags"][slot]):
+                self.records["flags"][slot] = flags
+
+    def revoke(self, rkey: int) -> bool:
+        """Make ``rkey`` fail every later check (one store). False when it is not live."""
+        slot = rkey & _MASK
+        with self._lock:  # against a racing ``grant`` re-opening what was just revoked
+            if int(self.records["rkey"][slot]) != rkey:
+                return False
+            self.records["flags"][slot] = 0
+        return True
+
+    def release(self, rkey: int) -> None:
+        """The slot of a revoked key may be reused (every peer acknowledged the revocation)."""
+        slot = rkey & _MASK
+        with self._lock:
+            if int(self.records["rkey"][slot]) == rkey:
+                self.records["rkey"][slot] = 0
+                self._free.append(slot)
+
+    def close(self) -> None:
+        del self.records
+        self._map.close()
+        os.close(self.fd)
+
+
+class Checked:
+    """Remote ranges checked at once: the first that failed (their count when none did) and why,
+    and for each the table record it used."""
+
+    __slots__ = ("first_bad", "records", "vendor")
+
+    def __init__(self, first_bad: int, vendor: VendorErr, records: npt.NDArray[np.void]) -> None:
+        self.first_bad = first_bad
+        self.vendor = vendor
+        self.records = records
+
+
+class TableView:
+    """An initiator's read-only mapping of a target's table."""
+
+    def __init__(self, fd: int) -> None:
+        nbytes = SLOTS * RECORD.itemsize
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if st.st_size != nbytes or seals & _SEALS != _SEALS:
+            raise ValueError(f"not a sealed region table ({st.st_size} bytes, seals {seals:#x})")
+        self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        self.records = np.frombuffer(self._map, dtype=RECORD)
+
+    def check(self, rkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
+        """Every range against the table: a live slot under the key, inside it, with the access."""
+        n = len(rkeys)
+        slots = (rkeys & np.uint32(_MASK)).astype(np.intp)
+        first = self.records[slots]  # a copy: the check works on one snapshot
+        need = WRITE if write else READ
+        keyed = first["rkey"] == rkeys
+        allowed = (first["flags"] & np.uint32(need)) != 0
+        base, size = first["addr"], first["length"]
+        offset = addrs - base  # wraps below the region: those fail addrs >= base
+        inside = (addrs >= base) & (offset <= size) & (lengths <= size - offset)
+        again = self.records["rkey"][slots] == rkeys  # the seqlock's second read
+        ok = keyed & again & allowed & inside
+        bad = int(np.argmin(ok)) if not bool(ok.all()) else n
+        vendor = VendorErr.NONE
+        if bad < n:
+            if not (keyed[bad] and again[bad]):
+                vendor = VendorErr.UNKNOWN_RKEY
+            elif not first["flags"][bad] & LIVE:
+                vendor = VendorErr.REMOTE_REVOKED
+            elif not allowed[bad]:
+                vendor = VendorErr.REMOTE_NO_ACCESS
+            else:
+                vendor = VendorErr.REMOTE_OUT_OF_BOUNDS
+        return Checked(bad, vendor, first)
+
+    def live(self, rkey: int) -> bool:
+        """The slot still holds ``rkey`` with some access (after a revocation: False)."""
+        slot = rkey & _MASK
+        return int(self.records["rkey"][slot]) == rkey and bool(int(self.records["flags"][slot]) & LIVE)
+
+    def close(self) -> None:
+        del self.records
+        self._map.close()

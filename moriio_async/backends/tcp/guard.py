@@ -1,0 +1,89 @@
+"""What peers did wrong on one backend's data plane: counted for ``describe()``, logged without flooding.
+
+The listener's thread for an accepted connection and the responders report
+here: a hello that was not one (bad magic, version, or too slow: the
+per-message deadline), a token nobody waits for (guessed, replayed, or for a
+pair closed meanwhile), connections refused because too many hellos were
+under way, requests the target's checks refused, and receives aborted by a
+deregistration. Every line goes through a ``RateLimitedLog`` keyed on the
+remote address (or the pair), so a peer that guesses tokens or rkeys in a
+loop costs a line per interval, never a flood; the counters are plain
+integers under one lock. Refused requests are also handed to the listener
+the engine set (``TcpBackend.watch_access_errors``), which counts them per
+peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from ...core.ratelog import RateLimitedLog
+
+__all__ = ["DataGuard"]
+
+log = logging.getLogger("moriio_async.tcp")
+
+
+class DataGuard:
+    """Counters and rate-limited lines for one backend's data plane (thread-safe)."""
+
+    def __init__(self, logger: logging.Logger = log, *, interval: float = 10.0) -> None:
+        self._lock = threading.Lock()
+        self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
+        self.refused_tokens = 0
+        self.bad_messages = 0
+        self.slow_messages = 0
+        self.refused_connections = 0
+        self.access_errors = 0
+        self.aborted = 0
+        self.listener: Callable[[int, str], None] | None = None
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def refused_token(self, host: str) -> None:
+        """A hello whose token no pair waits for: guessed, replayed, or for a pair closed meanwhile."""
+        self._count("refused_tokens")
+        self._warn.log(f"token:{host}", "tcp data port: refused a connection from %s: unknown or used token", host)
+
+    def bad_message(self, host: str, why: str) -> None:
+        """A hello or chunk that is not one: bad magic or version, an unknown opcode, a bad count."""
+        self._count("bad_messages")
+        self._warn.log(f"hello:{host}", "tcp data port: bad message from %s: %s", host, why)
+
+    def slow_message(self, where: str, why: str) -> None:
+        """A hello or a chunk not complete within its deadline (a trickling peer): its connection ends."""
+        self._count("slow_messages")
+        self._warn.log(f"slow:{where}", "tcp data port: %s: %s; connection closed", where, why)
+
+    def refused_connection(self, host: str, why: str) -> None:
+        self._count("refused_connections")
+        self._warn.log(f"busy:{host}", "tcp data port: refused a connection from %s: %s", host, why)
+
+    def access_error(self, qp_num: int, host: str, detail: str) -> None:
+        """The target's checks refused a request on answering pair ``qp_num``, from ``host``."""
+        self._count("access_errors")
+        self._warn.log(f"access:{host}", "tcp qp %d (%s): remote access refused: %s", qp_num, host, detail)
+        listener = self.listener
+        if listener is not None:
+            listener(qp_num, detail)
+
+    def aborted_receive(self, qp_num: int) -> None:
+        """A peer's request into a region was cut short because the region was deregistered."""
+        self._count("aborted")
+        log.debug("tcp qp %d: a request into a region being deregistered was aborted", qp_num)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "refused_tokens": self.refused_tokens,
+                "bad_messages": self.bad_messages,
+                "slow_messages": self.slow_messages,
+                "refused_connections": self.refused_connections,
+                "access_errors": self.access_errors,
+                "aborted_requests": self.aborted,
+                "suppressed_log_lines": self._warn.suppressed,
+            }

@@ -1,0 +1,87 @@
+"""A hostile (or merely hand-written) TCP data-plane client: the wire of ``backends/tcp/wire.py``, by hand.
+
+Nothing here uses the backend's own framing: structs are spelled out from the
+wire's documentation, so the tests see the data port as another
+implementation (or an attacker) would.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+HELLO = struct.Struct("<4sHH16sI")  # magic, version, flags, token, active qp_num
+HELLO_ACK = struct.Struct("<4sHHI")  # magic, version, status, passive qp_num
+CHUNK = struct.Struct("<BBHIII")  # opcode, flags, reserved, seq, count, reserved
+DESC = struct.Struct("<IIQQ")  # rkey, reserved, remote addr, length
+RESPONSE = struct.Struct("<BBHIIIQ")  # opcode, status, vendor_err, seq, done, reserved, payload bytes
+MAGIC, VERSION = b"MRIO", 2
+WRITE, READ = 0, 4  # Opcode.RDMA_WRITE, Opcode.RDMA_READ (ibv_wc_opcode values)
+OK, UNKNOWN_TOKEN = 0, 1
+REM_ACCESS_ERR = 10
+
+
+@dataclass(frozen=True)
+class Response:
+    opcode: int
+    status: int
+    vendor: int
+    seq: int
+    done: int
+    payload: int
+
+
+def hello_bytes(token: bytes, qp_num: int = 7) -> bytes:
+    return HELLO.pack(MAGIC, VERSION, 0, token, qp_num)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+        out += got
+    return out
+
+
+def dial(port: int, token: bytes, qp_num: int = 7, timeout: float = 5.0) -> tuple[socket.socket, int]:
+    """Open a data connection and say hello with ``token``; the socket and the hello-ack's status."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    sock.sendall(hello_bytes(token, qp_num))
+    _magic, _version, status, _qp = HELLO_ACK.unpack(recv_exactly(sock, HELLO_ACK.size))
+    return sock, status
+
+
+def chunk(opcode: int, seq: int, *descs: tuple[int, int, int]) -> bytes:
+    """A chunk header and its descriptors ``(rkey, addr, length)`` (a WRITE's payloads follow separately)."""
+    return CHUNK.pack(opcode, 0, 0, seq, len(descs), 0) + b"".join(DESC.pack(r, 0, a, n) for r, a, n in descs)
+
+
+def response(sock: socket.socket) -> Response:
+    return Response(*(v for i, v in enumerate(RESPONSE.unpack(recv_exactly(sock, RESPONSE.size))) if i != 5))
+
+
+def trickle(sock: socket.socket, data: bytes, every: float) -> None:
+    """Send ``data`` one byte at a time, ``every`` seconds apart (stops quietly if the peer closed)."""
+    for i in range(len(data)):
+        try:
+            sock.send(data[i : i + 1])
+        except OSError:
+            return
+        time.sleep(every)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """The peer closed (or reset) the connection within ``seconds``, whatever it said before."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return True

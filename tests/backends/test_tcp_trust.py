@@ -1,0 +1,402 @@
+"""The TCP data plane against hostile clients over real sockets (issue 8, data-plane half): derived
+single-use tokens, exports, random never-reused rkeys, total deadlines per message, deregistration
+that aborts a peer's request instead of waiting for it, and passive pairs that never dial nor join.
+
+The hostile side speaks the data wire by hand (``datawire.py``)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from moriio_async.backends import open_backend
+from moriio_async.backends.base import Backend, MemoryRegion, QueuePair
+from moriio_async.backends.tcp import Hooks, TcpBackend, VendorErr
+from moriio_async.backends.tcp.listener import MAX_HELLOS
+from moriio_async.backends.tcp.regions import KeyStream
+from moriio_async.core.auth import token_for
+from moriio_async.errors import InvalidArgument
+from moriio_async.status import Access, Opcode, WcStatus
+from moriio_async.work import Sge, WorkRequest
+
+from . import datawire as dw
+from .harness import CqWaiter, make_options
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.only_backends("tcp", reason="the TCP backend's data port, spoken by hand"),
+]
+
+KEY = bytes(range(32))
+"""A session key as the engine would bind (both ends of one authenticated link derive the same)."""
+
+
+@dataclass
+class Target:
+    backend: Backend
+    qp: QueuePair
+    buf: np.ndarray
+    mr: MemoryRegion
+
+    @property
+    def port(self) -> int:
+        return int(self.qp.endpoint()["port"])
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(self.backend.describe()["data_plane"])
+
+
+@contextmanager
+def target(*, export: bool = True, key: bytes | None = None, **options: object) -> Iterator[Target]:
+    """A backend with one 64 KiB region and a passive pair waiting for a dial from pair number 7."""
+    backend = open_backend("tcp", make_options(**options))
+    try:
+        buf = np.zeros(1 << 16, np.uint8)
+        mr = backend.register_memory(memoryview(buf), Access.all())
+        if export:
+            backend.export_memory(mr)
+        qp = backend.create_qp(backend.create_cq(64))
+        qp.bind_session(key, answering=True)
+        qp.connect({"backend": "tcp", "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 7})
+        yield Target(backend, qp, buf, mr)
+    finally:
+        backend.close()
+
+
+def random_token(t: Target) -> bytes:
+    return bytes.fromhex(str(t.qp.endpoint()["token"]))
+
+
+# -- tokens ---------------------------------------------------------------------------------------------
+
+
+def test_with_a_session_key_the_token_is_derived_never_sent_and_good_once(caplog: pytest.LogCaptureFixture) -> None:
+    with target(key=KEY) as t:
+        endpoint = t.qp.endpoint()
+        assert "token" not in endpoint and len(bytes.fromhex(endpoint["nonce"])) == 16
+        for guess in (b"\0" * 16, token_for(b"another key of 32 bytes........", "x", 0)):
+            sock, status = dw.dial(t.port, guess)
+            assert status == dw.UNKNOWN_TOKEN and dw.closed_within(sock, 5)
+            sock.close()
+        qp_num = int(endpoint["qp_num"])
+        token = token_for(KEY, f"tcp-data/{qp_num}/7/{endpoint['nonce']}", 0)
+        sock, status = dw.dial(t.port, token)
+        assert status == dw.OK, "a holder of the session key computes the token"
+        t.buf[:8] = 5
+        sock.sendall(dw.chunk(dw.READ, 0, (t.mr.rkey, t.mr.addr, 8)))
+        assert dw.response(sock).status == 0 and dw.recv_exactly(sock, 8) == b"\5" * 8
+        replay, status = dw.dial(t.port, token)
+        assert status == dw.UNKNOWN_TOKEN, "a token is good for one connection"
+        replay.close()
+        sock.close()
+        assert t.counters["refused_tokens"] == 3
+    assert [r for r in caplog.records if "unknown or used token" in r.getMessage()], "refusals are logged"
+
+
+def test_guessed_tokens_are_counted_and_logged_at_a_rate(caplog: pytest.LogCaptureFixture) -> None:
+    with target() as t:
+        caplog.set_level(logging.WARNING, "moriio_async.tcp")
+        for i in range(50):
+            sock, status = dw.dial(t.port, i.to_bytes(16, "big"))
+            assert status == dw.UNKNOWN_TOKEN
+            sock.close()
+        assert t.counters["refused_tokens"] == 50
+        lines = [r for r in caplog.records if "unknown or used token" in r.getMessage()]
+        assert len(lines) == 1, "one line per address per interval, not one per guess"
+        assert t.counters["suppressed_log_lines"] >= 49
+
+
+def test_both_sides_derive_the_same_token_and_disagreeing_sides_fail_clearly() -> None:
+    opts = make_options()
+    a, b = open_backend("tcp", opts), open_backend("tcp", opts)
+    try:
+        buf = np.zeros(4096, np.uint8)
+        mr = b.register_memory(memoryview(buf), Access.all())
+        b.export_memory(mr)
+        qa, qb = a.create_qp(a.create_cq(8)), b.create_qp(b.create_cq(8))
+        qa.bind_session(KEY, answering=False)
+        qb.bind_session(KEY, answering=True)
+        qb.connect(qa.endpoint())
+        qa.connect(qb.endpoint())
+        assert qa.state == qb.state == "RTS"
+        other = b.create_qp(b.create_cq(8))
+        other.bind_session(KEY, answering=True)
+        plain = a.create_qp(a.create_cq(8))  # no session key: it expects a token, the endpoint has a nonce
+        other.connect(plain.endpoint())
+        with pytest.raises(InvalidArgument, match="same shared secret"):
+            plain.connect(other.endpoint())
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_answering_pair_never_dials() -> None:
+    listening = socket.create_server(("127.0.0.1", 0))
+    listening.setblocking(False)
+    backend = open_backend("tcp", make_options())
+    try:
+        qp = backend.create_qp(backend.create_cq(8))
+        qp.bind_session(None, answering=True)
+        endpoint = {"backend": "tcp", "accepting": True, "host": "127.0.0.1", "port": listening.getsockname()[1],
+                    "qp_num": 9, "token": "ab" * 16}  # fmt: skip
+        with pytest.raises(InvalidArgument, match="never dials"):
+            qp.connect(endpoint)
+        time.sleep(0.05)
+        with pytest.raises(BlockingIOError):
+            listening.accept()  # nobody dialed
+    finally:
+        backend.close()
+        listening.close()
+
+
+# -- exports and keys -----------------------------------------------------------------------------------
+
+
+def test_an_unexported_region_is_an_unknown_rkey_counted_and_reported() -> None:
+    with target(export=False) as t:
+        seen: list[tuple[int, str]] = []
+        t.backend.watch_access_errors(lambda qp, detail: seen.append((qp, detail)))
+        t.buf[:] = 9
+        sock, status = dw.dial(t.port, random_token(t))
+        assert status == dw.OK
+        sock.sendall(dw.chunk(dw.READ, 0, (t.mr.rkey, t.mr.addr, 64)))
+        r = dw.response(sock)
+        assert (r.status, r.vendor, r.done, r.payload) == (dw.REM_ACCESS_ERR, VendorErr.UNKNOWN_RKEY, 0, 0)
+        assert dw.closed_within(sock, 5)
+        sock.close()
+        assert t.counters["access_errors"] == 1
+        assert seen and seen[0][0] == t.qp.qp_num and "UNKNOWN_RKEY" in seen[0][1]
+        # Exported, the same request is served on a fresh pair.
+        t.backend.export_memory(t.mr)
+        qp = t.backend.create_qp(t.backend.create_cq(8))
+        qp.connect({"backend": "tcp", "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 8})
+        sock, status = dw.dial(t.port, bytes.fromhex(str(qp.endpoint()["token"])), 8)
+        sock.sendall(dw.chunk(dw.READ, 0, (t.mr.rkey, t.mr.addr, 64)))
+        assert dw.response(sock).status == 0 and dw.recv_exactly(sock, 64) == b"\x09" * 64
+        sock.close()
+
+
+def test_rkeys_are_random_and_never_reused() -> None:
+    backend = open_backend("tcp", make_options())
+    try:
+        buf = np.zeros(64, np.uint8)
+        keys: list[int] = []
+        for _ in range(300):
+            mr = backend.register_memory(memoryview(buf), Access.all())
+            keys += [mr.rkey, mr.lkey]
+            backend.deregister_memory(mr)
+        assert len(set(keys)) == len(keys) and 0 not in keys
+        steps = np.diff(np.array(keys, dtype=np.int64))
+        assert len(set(steps.tolist())) > len(steps) // 2, "keys are not a sequence"
+        assert sum(k < 1 << 16 for k in keys) < 10, "keys spread over 32 bits"
+    finally:
+        backend.close()
+
+
+def test_the_key_stream_is_a_permutation() -> None:
+    stream = KeyStream()
+    sample = [stream.permute(x) for x in range(1 << 16)]
+    assert len(set(sample)) == len(sample)
+    assert all(0 <= k < 1 << 32 for k in sample)
+    assert KeyStream().permute(1) != stream.permute(1) or KeyStream().permute(2) != stream.permute(2)
+
+
+# -- deadlines --------------------------------------------------------------------------------------------
+
+
+def test_a_trickled_hello_is_cut_at_its_deadline() -> None:
+    """Issue 8: a 28-byte hello sent a byte at a time kept a thread 32 s (the timeout was per recv)."""
+    with target(connect_timeout=1.0) as t:
+        sock = socket.create_connection(("127.0.0.1", t.port))
+        sender = threading.Thread(target=dw.trickle, args=(sock, dw.hello_bytes(random_token(t)), 0.2))
+        sender.start()
+        assert dw.closed_within(sock, 4.0), "the 28-byte hello would take 5.6 s; the deadline is 1 s"
+        sender.join()
+        sock.close()
+        assert t.counters["slow_messages"] == 1
+
+
+@pytest.mark.parametrize("part", ["header", "payload"])
+def test_a_trickled_chunk_is_cut_at_its_deadline(part: str) -> None:
+    with target(retry_timeout=1.0) as t:
+        sock, status = dw.dial(t.port, random_token(t))
+        assert status == dw.OK
+        head = dw.chunk(dw.WRITE, 0, (t.mr.rkey, t.mr.addr, 4096))
+        if part == "header":
+            data = head
+        else:
+            sock.sendall(head + b"\1" * 100)
+            data = b"\2" * 100
+        sender = threading.Thread(target=dw.trickle, args=(sock, data, 0.1))
+        sender.start()
+        assert dw.closed_within(sock, 4.0), "every byte came within the silence timeout; the total did not"
+        sender.join()
+        sock.close()
+        assert t.counters["slow_messages"] == 1
+
+
+def test_hellos_under_way_are_capped() -> None:
+    with target(connect_timeout=30.0) as t:
+        idle = [socket.create_connection(("127.0.0.1", t.port)) for _ in range(MAX_HELLOS)]
+        try:
+            time.sleep(0.2)
+            extra = socket.create_connection(("127.0.0.1", t.port))
+            assert dw.closed_within(extra, 5.0)
+            extra.close()
+            assert t.counters["refused_connections"] >= 1
+        finally:
+            for s in idle:
+                s.close()
+        deadline = time.monotonic() + 5
+        while True:  # the idle ones' threads see their close and leave
+            sock, status = dw.dial(t.port, random_token(t))
+            if status == dw.OK or time.monotonic() > deadline:
+                break
+            sock.close()
+            time.sleep(0.05)
+        assert status == dw.OK, "a real dial gets in once the idle connections are gone"
+        sock.close()
+        t.qp.close()
+        deadline = time.monotonic() + 5
+        while _responder_threads() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _responder_threads(), "every thread the hostile connections held has ended"
+
+
+def _responder_threads() -> list[threading.Thread]:
+    return [th for th in threading.enumerate() if th.name.startswith("moriio-tcp-resp") and th.is_alive()]
+
+
+# -- deregistration and close -------------------------------------------------------------------------
+
+
+def test_deregistration_aborts_a_trickled_write_instead_of_waiting() -> None:
+    """Issue 8: deregistration waited for a WRITE trickling into the region (the loop stood 18 s)."""
+    with target(retry_timeout=30.0) as t:
+        sock, status = dw.dial(t.port, random_token(t))
+        assert status == dw.OK
+        sock.sendall(dw.chunk(dw.WRITE, 0, (t.mr.rkey, t.mr.addr, 4096)) + b"\7" * 10)
+        stop = threading.Event()
+
+        def drip() -> None:
+            while not stop.is_set():
+                try:
+                    sock.send(b"\7")
+                except OSError:
+                    return
+                time.sleep(0.05)
+
+        sender = threading.Thread(target=drip)
+        sender.start()
+        try:
+            deadline = time.monotonic() + 5
+            while not (t.buf[:10] == 7).all():  # the payload is landing in the region
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            started = time.perf_counter()
+            t.backend.deregister_memory(t.mr)
+            took = time.perf_counter() - started
+            snapshot = t.buf.copy()
+            r = dw.response(sock)
+            assert (r.status, r.vendor) == (dw.REM_ACCESS_ERR, VendorErr.REMOTE_DEREGISTERED)
+            time.sleep(0.3)
+            assert np.array_equal(t.buf, snapshot), "a byte landed after deregistration returned"
+            assert t.counters["aborted_requests"] == 1
+            assert took < 5.0, f"deregistration waited {took:.1f}s for the peer"  # the old wait: 30 s here
+        finally:
+            stop.set()
+            sender.join()
+            sock.close()
+
+
+def test_passive_close_does_not_join_its_responder() -> None:
+    release = threading.Event()
+
+    class Stuck(Hooks):
+        def on_request(self, qp_num: int, opcode: int, rkey: int, remote_addr: int, length: int) -> None:
+            release.wait(10)  # the responder thread is busy in here
+
+    with target() as t:
+        t.qp.hooks = Stuck()  # type: ignore[attr-defined]
+        sock, status = dw.dial(t.port, random_token(t))
+        assert status == dw.OK
+        sock.sendall(dw.chunk(dw.READ, 0, (t.mr.rkey, t.mr.addr, 8)))
+        time.sleep(0.2)
+        responders = [th for th in threading.enumerate() if th.name.startswith("moriio-tcp-resp")]
+        assert responders
+        started = time.perf_counter()
+        t.qp.close()
+        assert time.perf_counter() - started < 5.0
+        assert any(th.is_alive() for th in responders), "close returned while its responder is still busy"
+        release.set()
+        sock.close()
+        assert isinstance(t.backend, TcpBackend)
+    for th in responders:
+        assert not th.is_alive(), "the backend's close joined it"
+
+
+def test_a_request_after_deregistration_fails_with_rem_access_err() -> None:
+    with target() as t:
+        sock, status = dw.dial(t.port, random_token(t))
+        assert status == dw.OK
+        t.backend.deregister_memory(t.mr)
+        sock.sendall(dw.chunk(dw.WRITE, 0, (t.mr.rkey, t.mr.addr, 16)) + b"\1" * 16)
+        r = dw.response(sock)
+        assert (r.status, r.vendor) == (int(WcStatus.REM_ACCESS_ERR), VendorErr.UNKNOWN_RKEY)
+        assert not t.buf.any()
+        sock.close()
+
+
+@pytest.mark.parametrize("part", ["header", "payload"])
+def test_a_target_trickling_its_read_response_is_cut_at_the_deadline(part: str) -> None:
+    """The initiator's side too: a hostile target that answers a READ a byte at a time (each within
+    the silence timeout) fails the request with RETRY_EXC_ERR at the response's deadline."""
+    fake = socket.create_server(("127.0.0.1", 0))
+    backend = open_backend("tcp", make_options(retry_timeout=1.0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = fake.accept()
+        with conn:
+            dw.recv_exactly(conn, dw.HELLO.size)
+            conn.sendall(dw.HELLO_ACK.pack(dw.MAGIC, dw.VERSION, dw.OK, 99))
+            dw.recv_exactly(conn, dw.CHUNK.size + dw.DESC.size)
+            head = dw.RESPONSE.pack(dw.READ, 0, 0, 0, 1, 0, 4096)
+            if part == "payload":
+                conn.sendall(head + b"\1" * 100)
+                head = b"\2" * 3996
+            for i in range(len(head)):
+                if stop.wait(0.2):
+                    return
+                try:
+                    conn.send(head[i : i + 1])
+                except OSError:
+                    return
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        buf = np.zeros(4096, np.uint8)
+        mr = backend.register_memory(memoryview(buf), Access.all())
+        cq = backend.create_cq(8)
+        qp = backend.create_qp(cq)
+        qp.connect({"backend": "tcp", "accepting": True, "host": "127.0.0.1", "port": fake.getsockname()[1],
+                    "qp_num": 99, "token": "ab" * 16})  # fmt: skip
+        waiter = CqWaiter(cq)
+        qp.post_send([WorkRequest(1, Opcode.RDMA_READ, (Sge(mr.addr, 4096, mr.lkey),), 0x1000, 7)])
+        [wc] = waiter.wait(1, timeout=4.0)  # the trickle would take 4.8 s (header) or 800 s (payload)
+        assert wc.status is WcStatus.RETRY_EXC_ERR and wc.vendor_err == VendorErr.PEER_SILENT
+    finally:
+        stop.set()
+        backend.close()
+        server.join()
+        fake.close()

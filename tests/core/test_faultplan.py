@@ -1,0 +1,130 @@
+"""Fault plans as data: parsing, validation messages, the JSON form and what each rule says it does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
+from moriio_async.errors import InvalidArgument
+from moriio_async.status import WcStatus
+
+
+def test_each_rule_describes_itself_for_people() -> None:
+    said = [
+        FaultRule(Action.DELAY, qp=0, wr=3, seconds=0.25).describe(),
+        FaultRule(Action.STATUS, status=WcStatus.RETRY_EXC_ERR).describe(),
+        FaultRule(Action.DROP, wr=1).describe(),
+        FaultRule(Action.STALL, qp=2, seconds=1.5).describe(),
+        FaultRule(Action.STALL).describe(),
+        FaultRule(Action.KILL, qp=1, wr=0).describe(),
+    ]
+    assert said == [
+        "delay the completion 0.25s at request 3 of queue pair 0",
+        "complete with RETRY_EXC_ERR at every request of every queue pair",
+        "drop the connection at request 1 of every queue pair",
+        "stall the target 1.5s at every request of queue pair 2",
+        "stall the target until released at every request of every queue pair",
+        "kill the target process at request 0 of queue pair 1",
+    ]
+
+
+def test_a_plan_round_trips_through_its_json_and_keeps_only_the_fields_each_action_uses() -> None:
+    plan = FaultPlan(
+        (
+            FaultRule(Action.DELAY, qp=0, wr=3, seconds=0.5),
+            FaultRule(Action.STATUS, wr=2, status=WcStatus.REM_OP_ERR),
+            FaultRule(Action.STALL, qp=1),
+            FaultRule(Action.KILL),
+        ),
+        about="four rules",
+    )
+    text = plan.dumps()
+    assert text.endswith("}\n") and '\n  "rules": [' in text  # indented for people, one trailing newline
+    assert json.loads(text) == {
+        "rules": [
+            {"action": "delay", "qp": 0, "wr": 3, "seconds": 0.5},
+            {"action": "status", "qp": None, "wr": 2, "status": "REM_OP_ERR"},
+            {"action": "stall", "qp": 1, "wr": None, "seconds": 0.0},
+            {"action": "kill", "qp": None, "wr": None},
+        ],
+        "about": "four rules",
+    }
+    assert FaultPlan.loads(text) == plan
+    assert FaultPlan.loads(text.encode()) == plan
+    assert FaultPlan.loads('{"rules": []}') == FaultPlan()
+    assert FaultPlan().to_dict() == {"rules": []}  # no "about" when there is none
+    assert FaultPlan.from_dict({}) == FaultPlan()
+
+
+def test_statuses_are_read_by_name_in_any_case_or_by_number() -> None:
+    def status(value: object) -> WcStatus:
+        return FaultRule.from_dict({"action": "status", "status": value}).status
+
+    assert status("rem_access_err") is WcStatus.REM_ACCESS_ERR
+    assert status("WR_FLUSH_ERR") is WcStatus.WR_FLUSH_ERR
+    assert status(int(WcStatus.RETRY_EXC_ERR)) is WcStatus.RETRY_EXC_ERR
+    assert FaultRule.from_dict({"action": "status"}).status is WcStatus.REM_ACCESS_ERR  # the default
+    for bad in ("NOT_A_STATUS", 999, True, 1.0, None):
+        with pytest.raises(InvalidArgument, match=r"fault rule status .* is not an ibv_wc_status name or number"):
+            status(bad)
+
+
+@pytest.mark.parametrize(
+    ("rule", "needle"),
+    [
+        ([], "a fault rule is a JSON object, not []"),
+        ({"action": "delay", "when": 1}, "unknown fault rule field(s) ['when']; known: ['action', 'qp',"),
+        ({"action": "explode"}, "fault action 'explode' is not one of ['delay', 'status', 'drop', 'stall', 'kill']"),
+        ({}, "fault action None is not one of"),
+        ({"action": "delay", "seconds": "1"}, "fault rule seconds must be a number, not '1'"),
+        ({"action": "delay", "seconds": True}, "fault rule seconds must be a number, not True"),
+        ({"action": "delay", "seconds": -1}, "fault rule seconds must be finite and >= 0, not -1.0"),
+        ({"action": "delay", "seconds": float("nan")}, "fault rule seconds must be finite and >= 0, not nan"),
+        ({"action": "drop", "qp": -1}, "fault rule field 'qp' must be null or an integer >= 0, not -1"),
+        ({"action": "drop", "wr": True}, "fault rule field 'wr' must be null or an integer >= 0, not True"),
+        ({"action": "drop", "wr": 1.5}, "fault rule field 'wr' must be null or an integer >= 0, not 1.5"),
+        ({"action": "status", "status": "SUCCESS"}, "a status fault needs an error status, not SUCCESS"),
+    ],
+)
+def test_a_bad_rule_is_refused_saying_what_is_wrong(rule: object, needle: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        FaultRule.from_dict(rule)  # type: ignore[arg-type]
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("not json", "a fault plan must be JSON"),
+        (b"\xff\xfe", "a fault plan must be JSON"),
+        ("[]", 'a fault plan is a JSON object {"rules": [...], "about": "..."}'),
+        ('{"rules": {}}', "a fault plan is a JSON object"),
+        ('{"rules": [], "extra": 1}', "unknown fault plan field(s) ['extra']"),
+        ('{"rules": [], "about": 3}', "fault plan 'about' must be a string"),
+        ('{"rules": [{"action": "nope"}]}', "fault action 'nope' is not one of"),
+    ],
+)
+def test_a_bad_plan_is_refused_saying_what_is_wrong(text: str | bytes, needle: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        FaultPlan.loads(text)
+    assert needle in str(info.value)
+
+
+def test_each_side_gets_its_own_rules_in_order_and_matching_picks_pair_and_request() -> None:
+    rules = (
+        FaultRule(Action.STALL, qp=0),
+        FaultRule(Action.DELAY, seconds=1),
+        FaultRule(Action.KILL, wr=4),
+        FaultRule(Action.DROP, qp=1, wr=2),
+    )
+    plan = FaultPlan(list(rules), about="x")  # type: ignore[arg-type]
+    assert plan.rules == rules  # a list is kept as a tuple
+    assert plan.side(target=True) == FaultPlan((rules[0], rules[2]), "x")
+    assert plan.side(target=False) == FaultPlan((rules[1], rules[3]), "x")
+    assert plan.kills and not plan.side(target=False).kills
+    assert [Action(a).at_target for a in Action] == [False, False, False, True, True]
+    drop = rules[3]
+    assert drop.matches(1, 2) and not drop.matches(1, 3) and not drop.matches(0, 2)
+    assert rules[1].matches(5, 9) and rules[0].matches(0, 9) and not rules[0].matches(1, 0)
