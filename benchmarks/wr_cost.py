@@ -223,7 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", help="a source tree to compare the single-op row with (before/after)")
     ap.add_argument("--rounds", type=int, default=6, help="alternating rounds per tree with --against")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument(
+        "--mock-no-copy",
+        action="store_true",
+        help="diagnostic: the mock skips the byte copy of uniform chunks (the runtime's cost without the bytes)",
+    )
     args = ap.parse_args(argv)
+    if args.mock_no_copy:
+        from moriio_async.backends.mock import qp as mock_qp
+
+        mock_qp.copy_equal = lambda *_: None  # type: ignore[assignment]
     if args.against:
         return compare_trees(args.against, args.rounds, args.wrs)
     rows: list[dict[str, Any]] = []

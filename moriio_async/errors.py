@@ -6,7 +6,7 @@ Every error may carry a ``hint``: one sentence saying what to do about it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple, Protocol, cast
 
 from .status import StatusCode, WcStatus
 
@@ -21,6 +21,7 @@ __all__ = [
     "PeerError",
     "SessionClosed",
     "StalePeer",
+    "TimedOut",
     "TransferError",
     "TransferFailed",
     "TransferTimeout",
@@ -142,6 +143,61 @@ def _timeout(transfer_id: int, timeout: float, peer: str) -> TransferTimeout:
     return TransferTimeout(transfer_id, timeout, peer=peer)
 
 
+class Pending(Protocol):
+    """A transfer as a timeout names it (``Transfer`` is one)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def peer(self) -> str: ...
+
+
+class _Named(NamedTuple):
+    id: int
+    peer: str
+
+
+class TimedOut(TransferTimeout):
+    """Inside a ``TransferError``: every transfer a wait left pending, one ``TransferTimeout`` each once read.
+
+    A wait over 10,000 transfers that reaches its deadline would otherwise build 10,000 exception
+    objects before the caller hears of it (milliseconds, and enough long-lived objects to bring on a
+    full garbage collection). This one member stands for all of them in the exception group's own
+    tuple, which ``except*`` and the interpreter's re-raise logic read; ``TransferError.exceptions``,
+    ``timed_out`` and ``str`` show the individual members, made on first read and kept.
+    """
+
+    def __init__(self, transfers: Sequence[Pending], timeout: float) -> None:
+        first = transfers[0]
+        super().__init__(first.id, timeout, peer=first.peer)
+        self.args = (first.id, timeout)  # not the transfers: args outlive the expansion below
+        self._transfers: Sequence[Pending] | None = transfers
+        self._count = len(transfers)
+        self._members: tuple[TransferTimeout, ...] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def members(self) -> tuple[TransferTimeout, ...]:
+        """One ``TransferTimeout`` per transfer, in the wait's order (the same objects on every call)."""
+        if self._members is None:
+            assert self._transfers is not None
+            timeout = self.timeout
+            self._members = tuple(TransferTimeout(t.id, timeout, peer=t.peer) for t in self._transfers)
+            self._transfers = None  # the transfers themselves are not kept alive by an error someone holds
+        return self._members
+
+    def line(self) -> str:
+        return "\n".join(m.line() for m in self.members())
+
+    def __str__(self) -> str:
+        return f"{self._count} transfers timed out after {self.timeout:g}s, the first {self.transfer_id}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TimedOut, ([_Named(m.transfer_id, m.peer) for m in self.members()], self.timeout))
+
+
 class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc,unused-ignore]
     """Some transfers of a wait did not succeed: one member per failed or timed-out transfer."""
 
@@ -159,9 +215,55 @@ class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc,unused-ig
         members: list[TransferFailed | TransferTimeout] = [*failed, *timed_out]
         return cls(f"{len(members)}/{total} transfers failed:", members, total)
 
+    @classmethod
+    def after_deadline(
+        cls, failed: Sequence[TransferFailed], pending: Sequence[Pending], timeout: float, total: int
+    ) -> TransferError:
+        """``failed``, then a ``TransferTimeout`` for each of ``pending``, made when first read (O(1) now)."""
+        members: list[TransferFailed | TransferTimeout] = [*failed]
+        if pending:
+            members.append(TimedOut(pending, timeout))
+        return cls(f"{len(failed) + len(pending)}/{total} transfers failed:", members, total)
+
+    @property
+    def exceptions(self) -> tuple[TransferFailed | TransferTimeout, ...]:
+        """One member per failed or timed-out transfer."""
+        members: tuple[TransferFailed | TransferTimeout, ...] | None = self.__dict__.get("_members")
+        if members is None:
+            own: tuple[Any, ...] = super().exceptions
+            if any(type(m) is TimedOut for m in own):
+                members = tuple(x for m in own for x in (m.members() if type(m) is TimedOut else (m,)))
+            else:
+                members = own
+            self.__dict__["_members"] = members
+        return members
+
+    def split(self, condition: Any) -> tuple[TransferError | None, TransferError | None]:  # type: ignore[override]
+        # A type (what ``except*`` passes) matches the stand-in as it matches every TransferTimeout;
+        # a predicate must see the individual members.
+        if _predicate(condition) and self._stands_in():
+            return self._expanded().split(condition)
+        return super().split(condition)
+
+    def subgroup(self, condition: Any) -> TransferError | None:  # type: ignore[override]
+        if _predicate(condition) and self._stands_in():
+            return self._expanded().subgroup(condition)
+        return cast("TransferError | None", super().subgroup(condition))
+
+    def _stands_in(self) -> bool:
+        return any(type(m) is TimedOut for m in super().exceptions)
+
+    def _expanded(self) -> TransferError:
+        """The same group with its members spelled out (and the same traceback, cause and context)."""
+        group = TransferError(self.message, self.exceptions, self.total)
+        group.__traceback__, group.__cause__, group.__context__ = self.__traceback__, self.__cause__, self.__context__
+        if hasattr(self, "__notes__"):
+            group.__notes__ = list(self.__notes__)
+        return group
+
     @property
     def failed(self) -> list[TransferFailed]:
-        return [e for e in self.exceptions if isinstance(e, TransferFailed)]
+        return [e for e in super().exceptions if isinstance(e, TransferFailed)]
 
     @property
     def timed_out(self) -> list[TransferTimeout]:
@@ -174,3 +276,8 @@ class TransferError(MoriioError, ExceptionGroup):  # type: ignore[misc,unused-ig
         """The head line, then one line per member; rendered when read, not when raised."""
         lines = (m.line() if isinstance(m, TransferFailed | TransferTimeout) else str(m) for m in self.exceptions)
         return "\n".join([str(self.message), *lines])
+
+
+def _predicate(condition: Any) -> bool:
+    """True for a callable condition that is not an exception type (nor a tuple of them)."""
+    return callable(condition) and not isinstance(condition, type)

@@ -194,9 +194,14 @@ class WorkBatch:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class WorkCompletion:
-    """What a completion queue reports for one work request."""
+    """What a completion queue reports for one work request.
+
+    Treat it as immutable. (Not a frozen dataclass, like ``WorkBatch``: a frozen
+    field costs an ``object.__setattr__`` each, and backends make one of these
+    per signaled request; equality and hashing are by value as before.)
+    """
 
     wr_id: int
     status: WcStatus

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from ..backends.base import QueuePair
 from ..core.plan import Plan
-from ..core.sendq import SendQueue
+from ..core.sendq import LAST_ONLY, SendQueue
 from ..status import Opcode, StatusCode, WcStatus
 from ..work import WorkBatch, WorkCompletion
 from .transfer import Transfer
@@ -35,6 +35,18 @@ _READ_ONE = _frozen(np.array((int(Opcode.RDMA_READ),), dtype=np.uint8))
 _WRITE_ONE = _frozen(np.array((int(Opcode.RDMA_WRITE),), dtype=np.uint8))
 _NOT_SIGNALED_ONE = _frozen(np.zeros(1, dtype=np.bool_))
 _SGE_START_ONE = _frozen(np.array((0, 1), dtype=np.int64))
+
+
+_KEYS: dict[tuple[int, int], tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]] = {}
+
+
+def _keys(rkey: int, lkey: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
+    """A session's two keys as one-element arrays, made once (a session posts under the same pair)."""
+    if len(_KEYS) >= 1024:
+        _KEYS.clear()
+    both = _frozen(np.array((rkey, lkey), dtype=np.uint32))
+    keys = _KEYS[rkey, lkey] = (both[0:1], both[1:2])
+    return keys
 
 
 class Job:
@@ -76,18 +88,24 @@ class Job:
         """One request with one scatter entry: a handful of tiny arrays, no planning."""
         job = cls.__new__(cls)
         job.transfer = transfer
-        v = np.array((remote_addr, size, local_addr), dtype=np.uint64)
+        v = np.empty(3, dtype=np.uint64)  # filled item by item: faster than converting a tuple
+        v[0] = remote_addr
+        v[1] = size
+        v[2] = local_addr
+        keys = _KEYS.get((rkey, lkey))
+        if keys is None:
+            keys = _keys(rkey, lkey)
         job._batch = WorkBatch(
             0,
             _READ_ONE if opcode is _READ else _WRITE_ONE,
             v[0:1],
-            np.array((rkey,), dtype=np.uint32),
+            keys[0],
             v[1:2],
             _NOT_SIGNALED_ONE,
             _SGE_START_ONE,
             v[2:3],
             v[1:2],
-            np.array((lkey,), dtype=np.uint32),
+            keys[1],
         )
         return job
 
@@ -148,8 +166,19 @@ class QpChannel:
 
     def submit(self, job: Job) -> None:
         """Queue a transfer's requests and post what fits. Never blocks, never fails for lack of room."""
-        job.transfer.start(len(job))
-        self.sendq.enqueue(job, len(job))
+        n = len(job)
+        job.transfer.start(n)
+        if n == 1:
+            # The single read/write on a pair with room and nothing queued: straight to the NIC.
+            wr_id = self.sendq.post_one(job)
+            if wr_id is not None:
+                self.qp.post(job.chunk(0, 1, wr_id, LAST_ONLY))
+                self.posted += 1
+                if self.sendq.in_flight > self.max_in_flight:
+                    self.max_in_flight = self.sendq.in_flight
+                self._on_post()
+                return
+        self.sendq.enqueue(job, n)
         if self.state == ChannelState.FAILED and not self.sendq.in_flight:
             self._on_failed_idle(self)
         else:
@@ -167,19 +196,34 @@ class QpChannel:
         self._on_post()
 
     def on_completion(self, wc: WorkCompletion) -> None:
+        """Account one completion and post what the freed slots allow."""
+        self.account(wc)
+        self.resume()
+
+    def account(self, wc: WorkCompletion) -> None:
+        """Settle what ``wc`` covers, without posting: a caller holding several completions accounts
+        them all, then calls ``resume`` once, so the freed slots go out as one chunk, not one per
+        completion (on a deep queue, each signaled completion frees ``depth // 4`` slots)."""
         settled = self.sendq.complete(wc.wr_id, wc.status)
-        qp_num = self.qp.qp_num
-        last = len(settled) - 1
-        for i, (job, count, status) in enumerate(settled):
-            # Only the named request carries the completion's vendor error.
-            job.transfer.settle(count, status, wc.vendor_err if i == last else 0, qp_num)
+        if len(settled) == 1:
+            job, count, status = settled[0]
+            job.transfer.settle(count, status, wc.vendor_err, self.qp.qp_num)
+        else:
+            qp_num = self.qp.qp_num
+            last = len(settled) - 1
+            for i, (job, count, status) in enumerate(settled):
+                # Only the named request carries the completion's vendor error.
+                job.transfer.settle(count, status, wc.vendor_err if i == last else 0, qp_num)
         if self.sendq.failed:
             self.state = ChannelState.FAILED if self.state != ChannelState.CLOSED else self.state
             if not self.sendq.in_flight:
                 self._settle_failed()
-        else:
-            self._pump()
         self._wake_idle()
+
+    def resume(self) -> None:
+        """Post what fits now (nothing once the pair failed)."""
+        if not self.sendq.failed and self.sendq.waiting:
+            self._pump()
 
     def _settle_failed(self) -> None:
         """The failed pair has drained: requests queued before the failure flush, in order."""

@@ -47,7 +47,9 @@ class CompletionRouter:
     def __init__(self, loop: asyncio.AbstractEventLoop, cq: CompletionQueue, *, batch: int = 64) -> None:
         self.loop = loop
         self._channels: dict[int, QpChannel] = {}
-        self._outstanding: set[Transfer] = set()
+        # transfer -> what it pins; one bound method ends them all (no closure per transfer).
+        self._outstanding: dict[Transfer, Pinned] = {}
+        self._on_ended = self._ended
         self._ids = itertools.count(1)
         self._drains = 0
         self._closed = False
@@ -91,11 +93,21 @@ class CompletionRouter:
         self._reader.kick()
 
     def _dispatch(self, wcs: list[WorkCompletion]) -> None:
+        # Every completion of the poll is accounted first, then each channel posts once: the slots
+        # freed by the whole poll go out as one chunk per channel, not one small chunk per completion.
         channels = self._channels
+        touched: list[QpChannel] = []
+        last: QpChannel | None = None
         for wc in wcs:
             channel = channels.get(wc.qp_num)
             if channel is not None:
-                channel.on_completion(wc)
+                channel.account(wc)
+                if channel is not last:
+                    last = channel
+                    if channel not in touched:
+                        touched.append(channel)
+        for channel in touched:
+            channel.resume()
 
     def drain(self) -> int:
         """Dispatch every completion already in the queue now; how many there were (0 once closed)."""
@@ -111,14 +123,13 @@ class CompletionRouter:
 
     def track(self, transfer: Transfer, pinned: Pinned) -> None:
         """Count ``transfer`` as outstanding until it ends; then release ``pinned``."""
-        self._outstanding.add(transfer)
-        outstanding = self._outstanding
+        self._outstanding[transfer] = pinned
+        transfer.add_done_callback(self._on_ended)
 
-        def ended(t: Transfer) -> None:
-            outstanding.discard(t)
+    def _ended(self, transfer: Transfer) -> None:
+        pinned = self._outstanding.pop(transfer, None)
+        if pinned is not None:
             pinned.unpin()
-
-        transfer.add_done_callback(ended)
 
     @property
     def outstanding(self) -> int:

@@ -1,10 +1,12 @@
 """A transfer: an awaitable that also answers MoRI-IO's ``TransferStatus`` questions.
 
-One future per transfer, created here and nowhere else; no task. The first
-terminal state is latched: once ``Succeeded()`` or ``Failed()`` is true,
-nothing changes it. Awaiting goes through ``asyncio.shield`` because
-cancelling the task that awaits a transfer must stop the waiting, never the
-transfer: the NIC would go on writing into the buffers either way.
+No task and no future of its own: a transfer is a latch, and each ``await``
+of one still running makes a waiter future that the transfer resolves
+directly when it ends (one loop hop to the awaiting task, not the two of
+``asyncio.shield``). The first terminal state is latched: once
+``Succeeded()`` or ``Failed()`` is true, nothing changes it. Cancelling the
+task that awaits a transfer cancels only its waiter, never the transfer: the
+NIC would go on writing into the buffers either way.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ class Transfer:
     """One read or write (single or batched) between a session's two regions."""
 
     __slots__ = (
+        "_awaiters",
         "_code",
+        "_done",
         "_drainer",
         "_error",
-        "_future",
+        "_first",
         "_lo",
+        "_loop",
         "_message",
         "_on_end",
         "_outcome",
@@ -84,14 +89,19 @@ class Transfer:
         self._lo = local_offsets
         self._ro = remote_offsets
         self._sz = sizes
-        self._future: asyncio.Future[None] = loop.create_future()
+        self._loop = loop
+        self._done = False
+        self._awaiters: list[asyncio.Future[None]] | None = None
         self._code = StatusCode.INIT
         self._message = ""
         self._error: TransferFailed | None = None
         self._outcome: Outcome | None = None
         self._drainer = drainer
-        self._on_end: list[Callable[[Transfer], None]] = []
-        self._watchers: list[Watcher] = []
+        # Every transfer gets one done callback (its router's); lists only when more come. Thousands of
+        # transfers in flight are thousands of objects the garbage collector walks on every full pass.
+        self._first: Callable[[Transfer], None] | None = None
+        self._on_end: list[Callable[[Transfer], None]] | None = None
+        self._watchers: list[Watcher] | None = None
 
     # -- MoRI-IO's TransferStatus surface -------------------------------------------------
 
@@ -142,14 +152,26 @@ class Transfer:
         return self._drainer
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._done
 
     def error(self) -> TransferFailed | None:
         """The failure, once failed; None otherwise."""
         return self._error
 
     def __await__(self) -> Generator[Any, None, None]:
-        return asyncio.shield(self._future).__await__()
+        if not self._done:
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            awaiters = self._awaiters
+            if awaiters is None:
+                self._awaiters = [waiter]
+            else:
+                if len(awaiters) >= 16:
+                    # Waits cancelled again and again (a timeout in a loop) leave done waiters behind.
+                    awaiters[:] = [w for w in awaiters if not w.done()]
+                awaiters.append(waiter)
+            yield from waiter
+        if self._error is not None:
+            raise self._error
 
     async def wait(self, timeout: float | None = None) -> None:
         """Await with a deadline; ``TimeoutError`` leaves the transfer running."""
@@ -158,15 +180,22 @@ class Transfer:
 
     def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
         """Call ``fn(self)`` once the transfer ends (at once if it has)."""
-        if self._future.done():
+        if self._done:
             fn(self)
+        elif self._first is None and not self._on_end:
+            self._first = fn
+        elif self._on_end is None:
+            self._on_end = [fn]
         else:
             self._on_end.append(fn)
 
     def remove_done_callback(self, fn: Callable[[Transfer], None]) -> None:
         """Forget ``fn`` if it has not run yet."""
-        with contextlib.suppress(ValueError):
-            self._on_end.remove(fn)
+        if self._first is not None and self._first == fn:
+            self._first = None
+        elif self._on_end:
+            with contextlib.suppress(ValueError):
+                self._on_end.remove(fn)
 
     def watch(self, watcher: Watcher) -> None:
         """Call ``watcher.ended(self)`` when the transfer ends (at once if it has), unless the watcher closed.
@@ -175,12 +204,17 @@ class Transfer:
         from each one; closed watchers are dropped here as new ones come, so waiting again and again on
         a transfer that never ends keeps a bounded list.
         """
-        if self._future.done():
+        if self._done:
             watcher.ended(self)
             return
         watchers = self._watchers
+        if watchers is None:
+            self._watchers = [watcher]
+            return
         if len(watchers) >= 16:
-            watchers = self._watchers = [w for w in watchers if not w.closed]
+            # In place: a new list per transfer, for thousands of transfers, is thousands of long-lived
+            # objects, which bring on the full garbage collections a deadline cannot afford.
+            watchers[:] = [w for w in watchers if not w.closed]
         watchers.append(watcher)
 
     def __repr__(self) -> str:
@@ -196,10 +230,10 @@ class Transfer:
     def settle(self, count: int, status: WcStatus, vendor_err: int = 0, qp_num: int | None = None) -> None:
         """``count`` of its work requests ended with ``status``; the last ones end the transfer."""
         outcome = self._outcome
-        if outcome is None or self._future.done():
+        if outcome is None or self._done:
             return
         if outcome.add(count, status, vendor_err, qp_num):
-            if outcome.code is StatusCode.SUCCESS:
+            if outcome.wc_status is WcStatus.SUCCESS:
                 self._finish(StatusCode.SUCCESS, "")
             else:
                 self._finish(
@@ -224,13 +258,14 @@ class Transfer:
         qp_num: int | None = None,
         hint: str | None = None,
     ) -> None:
-        if self._future.done():
+        if self._done:
             return  # latched: the first terminal state stands
+        self._done = True
         self._code = code
         self._message = message
-        if code is StatusCode.SUCCESS:
-            self._future.set_result(None)
-        else:
+        if code is not StatusCode.SUCCESS:
+            # Kept, not set on a future: not awaiting a failed transfer is legitimate (MoRI-IO style,
+            # the status surface reports it), so there is no "exception never retrieved" to silence.
             self._error = TransferFailed(
                 message,
                 code=code,
@@ -243,17 +278,23 @@ class Transfer:
                 remote_offsets=self.remote_offsets,
                 hint=hint,
             )
-            self._future.set_exception(self._error)
-            # The status surface reports the failure too, so not awaiting a failed
-            # transfer is legitimate (MoRI-IO style): mark the exception retrieved.
-            self._future.exception()
-        callbacks, self._on_end = self._on_end, []
-        for fn in callbacks:
-            fn(self)
-        watchers, self._watchers = self._watchers, []
-        for w in watchers:
-            if not w.closed:
-                w.ended(self)
+        if self._awaiters:
+            awaiters, self._awaiters = self._awaiters, None
+            for waiter in awaiters:
+                if not waiter.done():  # a cancelled wait
+                    waiter.set_result(None)
+        first, self._first = self._first, None
+        if first is not None:
+            first(self)
+        if self._on_end:
+            callbacks, self._on_end = self._on_end, None
+            for fn in callbacks:
+                fn(self)
+        if self._watchers:
+            watchers, self._watchers = self._watchers, None
+            for w in watchers:
+                if not w.closed:
+                    w.ended(self)
 
 
 def _ints(values: Sequence[int] | npt.NDArray[np.int64]) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from ..errors import TransferError, TransferFailed, TransferTimeout
+from ..errors import TransferError, TransferFailed
 from .transfer import Drainer, Transfer
 
 __all__ = ["waiting_for_transfer_complete"]
@@ -28,15 +28,22 @@ class _Waiter:
 
     __slots__ = ("closed", "deadline", "fail_fast", "failed", "future", "loop", "pending", "timer")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, pending: int, fail_fast: bool, timeout: float | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, pending: int, fail_fast: bool, deadline: float | None) -> None:
         self.loop = loop
         self.future: asyncio.Future[None] = loop.create_future()
         self.pending = pending
         self.fail_fast = fail_fast
         self.failed: list[TransferFailed] = []
         self.closed = False
-        self.deadline = None if timeout is None else loop.time() + timeout
-        self.timer = None if self.deadline is None else loop.call_at(self.deadline, self.on_timer)
+        self.deadline = deadline
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Start the deadline timer. Called last, just before the wait sleeps: uvloop starts a timer
+        from the time its loop iteration began, so work done after ``call_at`` in the same iteration
+        would make the timer that much late (asyncio's timers are absolute either way)."""
+        if self.deadline is not None:
+            self.timer = self.loop.call_at(self.deadline, self.on_timer)
 
     def ended(self, t: Transfer) -> None:
         self.pending -= 1
@@ -79,6 +86,9 @@ async def waiting_for_transfer_complete(
     queue when it ends included); if it reaches its deadline first, it lists
     the timed-out transfers too.
     """
+    loop = asyncio.get_running_loop()
+    # The deadline counts from the call: sorting out thousands of transfers below is part of the wait.
+    deadline = None if timeout is None else loop.time() + timeout
     items = [transfers] if isinstance(transfers, Transfer) else list(dict.fromkeys(transfers))
     if not items:
         return
@@ -93,14 +103,14 @@ async def waiting_for_transfer_complete(
     ended_by_failure = fail_fast and bool(failed)
     left = len(pending)
     if pending and not ended_by_failure:
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop, len(pending), fail_fast, timeout)
+        waiter = _Waiter(loop, len(pending), fail_fast, deadline)
         for t in pending:
             t.watch(waiter)
         # Known now, not at the deadline: only the work after the deadline makes a timeout late.
         drainers = _drains(pending)
         try:
             if timeout is None or timeout > 0:
+                waiter.arm()
                 await waiter.future
             ended_by_failure = fail_fast and bool(waiter.failed)
             if waiter.pending:
@@ -119,10 +129,11 @@ async def waiting_for_transfer_complete(
         raise TransferError.build(failed, [], len(items))
     # Past this point the wait ran to its deadline (or everything ended): a failure that only the
     # final drain found must not hide the transfers still pending, fail_fast or not.
-    after = timeout or 0.0
-    timed_out = [TransferTimeout(t.id, after, peer=t.peer) for t in pending if not t.done()] if left else []
+    # Whatever is still pending timed out: no per-transfer object is made here (the error makes its
+    # TransferTimeout members when someone reads them), and when nothing ended, not even a new list.
+    timed_out = [] if not left else pending if left == len(pending) else [t for t in pending if not t.done()]
     if failed or timed_out:
-        raise TransferError.build(failed, timed_out, len(items))
+        raise TransferError.after_deadline(failed, timed_out, timeout or 0.0, len(items))
 
 
 def _drains(pending: list[Transfer]) -> list[Drainer]:

@@ -29,18 +29,19 @@ import numpy.typing as npt
 
 from ..status import WcStatus
 
-__all__ = ["Chunk", "SendQueue", "Settled"]
+__all__ = ["LAST_ONLY", "Chunk", "SendQueue", "Settled"]
 
 T = TypeVar("T")
 
 Settled = tuple[T, int, WcStatus]
 """``count`` requests of ``owner`` ended with ``status`` (in posting order)."""
 
-_LAST_ONLY = np.ones(1, dtype=np.bool_)
-_LAST_ONLY.flags.writeable = False
+LAST_ONLY = np.ones(1, dtype=np.bool_)
+"""The signal flags of a one-request chunk that ends its owner: signaled."""
+LAST_ONLY.flags.writeable = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen field costs an object.__setattr__, on every post
 class Chunk(Generic[T]):
     """Requests ``start:stop`` of ``owner`` to post now as wr_ids ``wr_id...``, with their signal flags."""
 
@@ -103,6 +104,19 @@ class SendQueue(Generic[T]):
         self._waiting.append(_Span(owner, 0, count))
         self._n_waiting += count
 
+    def post_one(self, owner: T) -> int | None:
+        """An owner of one request, posted at once if nothing waits and a slot is free: its wr_id (its
+        signal flags are ``LAST_ONLY``), exactly as ``enqueue(owner, 1)`` then ``take_postable()``
+        would post it. None, having done nothing, otherwise (then ``enqueue`` it)."""
+        if self._waiting or self.failed or self._n_in_flight >= self.depth:
+            return None
+        wr_id = self._next_wr_id
+        self._next_wr_id = wr_id + 1
+        self._in_flight.append(_Span(owner, wr_id, wr_id + 1))
+        self._n_in_flight += 1
+        self._unsignaled_run = 0
+        return wr_id
+
     def take_postable(self) -> list[Chunk[T]]:
         """Chunks to post now, in order, with wr_ids and signaling decided; they count as in flight."""
         if self.failed:
@@ -118,7 +132,7 @@ class SendQueue(Generic[T]):
             last = stop == total
             run = self._unsignaled_run
             if take == 1 and last:
-                signaled = _LAST_ONLY
+                signaled = LAST_ONLY
                 self._unsignaled_run = 0
             else:
                 signaled = (np.arange(run + 1, run + take + 1) % every) == 0

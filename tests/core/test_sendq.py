@@ -106,3 +106,35 @@ def test_spans_account_every_request_exactly_once_and_in_order(depth: int, sizes
             done[owner] += count
             assert all(done[o] == sizes[o] for o in range(owner))  # owners end in posting order
     assert done == sizes
+
+
+@given(
+    st.integers(1, 16),
+    st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=30),
+)
+def test_post_one_posts_as_enqueue_then_take_postable_would(depth: int, steps: list[tuple[int, bool]]) -> None:
+    """Property: a queue that sends one-request owners through ``post_one`` whenever it accepts them
+    posts the same requests, with the same wr_ids and signal flags, and settles the same counts, as
+    one that always enqueues; ``post_one`` refuses whenever something waits or no slot is free."""
+    a: SendQueue[int] = SendQueue(depth)
+    b: SendQueue[int] = SendQueue(depth)
+    posted_a: list[tuple[int, int, int, bool]] = []
+    posted_b: list[tuple[int, int, int, bool]] = []
+    for owner, (size, complete) in enumerate(steps):
+        n = 1 if size <= 20 else size - 20
+        a.enqueue(owner, n)
+        posted_a += flat(a.take_postable())
+        wr_id = b.post_one(owner) if n == 1 else None
+        if wr_id is None:
+            assert n > 1 or b.waiting or b.free_slots == 0
+            b.enqueue(owner, n)
+            posted_b += flat(b.take_postable())
+        else:
+            posted_b.append((owner, 0, wr_id, True))
+        assert posted_a == posted_b
+        if complete and posted_a:
+            wr = posted_a[-1][2]
+            assert a.complete(wr, WcStatus.SUCCESS) == b.complete(wr, WcStatus.SUCCESS)
+            posted_a += flat(a.take_postable())
+            posted_b += flat(b.take_postable())
+    assert (a.in_flight, a.waiting) == (b.in_flight, b.waiting)

@@ -225,3 +225,16 @@ async def test_a_transfer_given_twice_is_listed_once(held: Pair) -> None:
     assert err.total == 4
     assert str(err).startswith("3/4 transfers failed:")
     assert len(str(err).splitlines()) == 1 + 3
+
+
+async def test_a_timeout_lists_what_was_pending_at_the_deadline_even_if_read_after_it_ended(held: Pair) -> None:
+    """The error's members are made when first read; what they list was decided at the deadline."""
+    ts = [held.session.read(i, i, 1) for i in range(3)]
+    nic(held).step(1)
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete(ts, timeout=0.05)
+    nic(held).step(2)
+    await waiting_for_transfer_complete(ts, timeout=5)
+    assert all(t.Succeeded() for t in ts)
+    assert [e.transfer_id for e in info.value.timed_out] == [t.id for t in ts[1:]]
+    assert str(info.value).startswith("2/3 transfers failed:")

@@ -21,7 +21,7 @@ from ...errors import InvalidArgument
 from ...status import Access
 from ..base import MemoryRegion
 
-__all__ = ["Blocks", "MemoryTable", "MockRegion", "Resolved", "copy"]
+__all__ = ["VECTOR_MAX", "Blocks", "MemoryTable", "MockRegion", "Resolved", "copy", "copy_equal", "independent"]
 
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
@@ -68,6 +68,9 @@ class MemoryTable:
 
     def __init__(self) -> None:
         self._regions: dict[int, MockRegion] = {}
+        # key -> (region, first address, end address, access bits as a plain int): the checks on
+        # every post read these without touching the IntFlag (whose ``&`` is a Python call).
+        self._bounds: dict[int, tuple[MockRegion, int, int, int]] = {}
         self._used: set[int] = set()
 
     def register(self, buffer: memoryview, access: Access) -> MockRegion:
@@ -83,23 +86,34 @@ class MemoryTable:
         self._used.add(key)
         region = MockRegion(int(array.ctypes.data), array.nbytes, key, key, access, array.data, array)
         self._regions[key] = region
+        self._bounds[key] = (region, region.addr, region.addr + region.length, int(access))
         return region
 
     def deregister(self, region: MemoryRegion) -> None:
         if self._regions.get(region.lkey) is region:
             del self._regions[region.lkey]
+            del self._bounds[region.lkey]
 
     def clear(self) -> None:
         self._regions.clear()
+        self._bounds.clear()
 
-    def lookup(self, key: int, addr: int, length: int, need: Access) -> MockRegion | None:
+    def lookup(self, key: int, addr: int, length: int, need: int) -> MockRegion | None:
         """``resolve`` for one block, on plain integers: its region, or None when a check fails."""
-        region = self._regions.get(key)
-        if region is None or (region.access & need) != need:
+        entry = self._bounds.get(key)
+        if entry is None:
             return None
-        if not (region.addr <= addr and length >= 0 and addr + length <= region.addr + region.length):
+        region, start, end, bits = entry
+        if bits & need != need or not (start <= addr and length >= 0 and addr + length <= end):
             return None
         return region
+
+    def usable(self, key: int, need: int) -> tuple[MockRegion, int, int] | None:
+        """The live region under ``key`` if it grants ``need``: (region, first address, end address)."""
+        entry = self._bounds.get(key)
+        if entry is None or entry[3] & need != need:
+            return None
+        return entry[0], entry[1], entry[2]
 
     def resolve(self, keys: npt.NDArray[np.uint32], addrs: U64, lengths: U64, need: Access) -> Resolved:
         """Check every triple at once: a live region under the key, ``[addr, addr + length)`` inside
@@ -140,7 +154,7 @@ def copy(src: Blocks, dst: Blocks, lengths: U64) -> None:
         length = int(lengths[0])
         if 0 < length <= VECTOR_MAX and bool((lengths == length).all()):
             s, d = src.regions[0], dst.regions[0]
-            if _independent(s, d, dst.offset, length):
+            if independent(s, d, dst.offset, length):
                 s2, d2 = _windows(s.array, length), _windows(d.array, length)
                 group = max(1, GROUP_BYTES // length)
                 for g in range(0, k, group):
@@ -154,15 +168,39 @@ def copy(src: Blocks, dst: Blocks, lengths: U64) -> None:
         darrays[di][do : do + n] = sarrays[si][so : so + n]
 
 
+_ITEMS: dict[int, np.dtype[np.void]] = {}
+
+
+def copy_equal(src: U8, src_off: npt.NDArray[np.intp], dst: U8, dst_off: npt.NDArray[np.intp], length: int) -> None:
+    """Copy ``length`` bytes from each ``src_off[i]`` of ``src`` to ``dst_off[i]`` of ``dst``, as if one
+    after another. The caller checked every block and that order cannot matter (``independent``).
+
+    Each array is seen as overlapping ``length``-byte items, one starting at every byte, so a block
+    is one item and a group of blocks moves with one gather and one scatter (each item one memcpy).
+    """
+    item = _ITEMS.get(length)
+    if item is None:
+        item = _ITEMS.setdefault(length, np.dtype((np.void, length)))
+    s = np.ndarray((len(src) - length + 1,), dtype=item, buffer=src, strides=(1,))
+    d = np.ndarray((len(dst) - length + 1,), dtype=item, buffer=dst, strides=(1,))
+    k = len(src_off)
+    group = max(1, GROUP_BYTES // length)
+    if k <= group:
+        d[dst_off] = s[src_off]
+        return
+    for g in range(0, k, group):
+        d[dst_off[g : g + group]] = s[src_off[g : g + group]]
+
+
 def _windows(array: U8, length: int) -> U8:
     """Every ``length``-byte window of ``array`` as a row (a view: row ``o`` starts at byte ``o``)."""
     return as_strided(array, shape=(len(array) - length + 1, length), strides=(1, 1))
 
 
-def _independent(src: MockRegion, dst: MockRegion, dst_off: I64, length: int) -> bool:
+def independent(src: MockRegion, dst: MockRegion, dst_off: npt.NDArray[np.intp] | I64, length: int) -> bool:
     """True when copying the blocks in any order gives what copying them in order would:
     the destination blocks do not overlap each other, and no source byte is a destination byte."""
     if src.addr < dst.addr + dst.length and dst.addr < src.addr + src.length:
         return False
     starts = np.sort(dst_off)
-    return bool((np.diff(starts) >= length).all())
+    return bool(np.logical_and.reduce(np.subtract(starts[1:], starts[:-1]) >= length))

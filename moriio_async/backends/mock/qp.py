@@ -23,7 +23,7 @@ from ...work import WorkBatch, WorkCompletion
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from ..softcq import SoftCompletionQueue
 from .fabric import MockFabric
-from .memory import MemoryTable, copy
+from .memory import VECTOR_MAX, MemoryTable, copy, copy_equal, independent
 
 __all__ = ["MockQueuePair"]
 
@@ -31,6 +31,11 @@ _OPCODES = {int(o): o for o in Opcode}
 _WRITE = int(Opcode.RDMA_WRITE)
 _READ = int(Opcode.RDMA_READ)
 _SUCCESS = WcStatus.SUCCESS
+# ufunc reductions called directly: ndarray.all()/max()/min() and np.diff go through Python wrappers that
+# cost more than the work on a chunk's few hundred entries.
+_ALL, _MAX, _MIN, _SUB = np.logical_and.reduce, np.maximum.reduce, np.minimum.reduce, np.subtract
+_NEED_READ_LOCAL, _NEED_WRITE_LOCAL = int(Access.LOCAL_WRITE), 0
+_NEED_READ_REMOTE, _NEED_WRITE_REMOTE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
 _FLUSH = WcStatus.WR_FLUSH_ERR
 
 Completions = list[tuple[WorkCompletion, int]]
@@ -123,20 +128,58 @@ class MockQueuePair(QueuePair):
                 raise InvalidArgument(f"unsupported opcode {op}")
             most = batch.sge_start.item(1) - batch.sge_start.item(0)
         else:
-            if not bool(((ops == _WRITE) | (ops == _READ)).all()):
+            low, high = int(_MIN(ops)), int(_MAX(ops))
+            if not (low == high and low in (_WRITE, _READ)) and not bool(_ALL((ops == _WRITE) | (ops == _READ))):
                 bad = int(ops[(ops != _WRITE) & (ops != _READ)][0])
                 raise InvalidArgument(f"unsupported opcode {bad}")
-            most = int(np.diff(batch.sge_start).max())
+            starts = batch.sge_start
+            most = int(_MAX(_SUB(starts[1:], starts[:-1])))
         if most > self.max_sge:
             raise InvalidArgument(f"{most} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
         used = self._posted - self._released
         if used + n > self.max_send_wr:
             raise SendQueueFull(f"{n} requests, {self.max_send_wr - used} free slots of {self.max_send_wr}")
         self._posted += n
+        one = n == 1 and most == 1 and not self._held and self._state == QpState.RTS and not self.hold
+        if one and self._post_one(batch, op == _READ):
+            return
         self._held.append(batch)
         self._held_n += n
         if not self.hold or self._state == QpState.ERR:
             self.step(self._held_n)
+
+    def _post_one(self, batch: WorkBatch, read: bool) -> bool:
+        """The single read/write that succeeds: checked, copied and completed in a few dozen bytecodes.
+        False, having done nothing, when anything is unusual (then ``step`` runs it the long way and
+        reports the failure)."""
+        peer = self._peer
+        if peer is None or peer.closed or self._fail_next is not None:
+            return False
+        addr, length, raddr = batch.sge_addr.item(0), batch.sge_length.item(0), batch.remote_addr.item(0)
+        if batch.length.item(0) != length:
+            return False
+        if read:
+            mine = self.memory.lookup(batch.sge_lkey.item(0), addr, length, _NEED_READ_LOCAL)
+            theirs = peer.memory.lookup(batch.rkey.item(0), raddr, length, _NEED_READ_REMOTE)
+        else:
+            mine = self.memory.lookup(batch.sge_lkey.item(0), addr, length, _NEED_WRITE_LOCAL)
+            theirs = peer.memory.lookup(batch.rkey.item(0), raddr, length, _NEED_WRITE_REMOTE)
+        if mine is None or theirs is None:
+            return False
+        here, there = addr - mine.addr, raddr - theirs.addr
+        # memoryview slices: the same bytes as the regions' arrays, at a fraction of numpy's per-call cost.
+        if read:
+            mine.view[here : here + length] = theirs.view[there : there + length]
+        else:
+            theirs.view[there : there + length] = mine.view[here : here + length]
+        if batch.signaled.item(0):
+            op = Opcode.RDMA_READ if read else Opcode.RDMA_WRITE
+            wc = WorkCompletion(batch.wr_id, _SUCCESS, op, length, self.qp_num)
+            slots, self._uncovered = self._uncovered + 1, 0
+            self._cq.push(wc, self, slots)
+        else:
+            self._uncovered += 1
+        return True
 
     def to_error(self) -> None:
         self._state = QpState.ERR
@@ -212,7 +255,11 @@ class MockQueuePair(QueuePair):
             else:
                 self._fail(batch, 0, status, out)
             return
-        cuts = [0, *(np.flatnonzero(np.diff(batch.opcode)) + 1).tolist(), n]
+        ops = batch.opcode
+        if ops.item(0) == ops.item(n - 1) and int(_MIN(ops)) == int(_MAX(ops)):
+            cuts = [0, n]
+        else:
+            cuts = [0, *(np.flatnonzero(np.diff(ops)) + 1).tolist(), n]
         for lo, hi in itertools.pairwise(cuts):
             done, status = self._execute(batch, lo, hi, peer.memory)
             self._complete_ok(batch, lo, lo + done, out)
@@ -223,6 +270,8 @@ class MockQueuePair(QueuePair):
     def _execute(self, batch: WorkBatch, lo: int, hi: int, remote: MemoryTable) -> tuple[int, WcStatus | None]:
         """Check requests ``lo:hi`` (one opcode) and copy those before the first failure; return
         how many ran and the failure's status (None: all ran)."""
+        if self._execute_uniform(batch, lo, hi, remote):
+            return hi - lo, None
         read = int(batch.opcode[lo]) == _READ
         starts = batch.sge_start
         a, b = int(starts[lo]), int(starts[hi])
@@ -258,6 +307,54 @@ class MockQueuePair(QueuePair):
                 copy(mine, theirs, lengths)
         return done, status
 
+    def _execute_uniform(self, batch: WorkBatch, lo: int, hi: int, remote: MemoryTable) -> bool:
+        """The usual chunk, in a dozen array operations: one scatter entry per request, one key and
+        one block length on each side, every block inside its region, order irrelevant. Copies and
+        returns True if the chunk is that; returns False, having done nothing, for anything else
+        (``_execute``'s general path then finds the first failing request)."""
+        starts = batch.sge_start
+        a, b = int(starts[lo]), int(starts[hi])
+        k = hi - lo
+        if b - a != k or k < 2:
+            return False
+        lkeys, rkeys = batch.sge_lkey[a:b], batch.rkey[lo:hi]
+        lk, rk = int(lkeys[0]), int(rkeys[0])
+        laddr, lens, raddr = batch.sge_addr[a:b], batch.sge_length[a:b], batch.remote_addr[lo:hi]
+        length = int(lens[0])
+        if not 0 < length <= VECTOR_MAX:
+            return False
+        # k requests holding k entries are one entry each only if no request holds none.
+        same = _SUB(starts[lo + 1 : hi + 1], starts[lo:hi]) == 1
+        same &= lens == length
+        same &= batch.length[lo:hi] == length
+        same &= lkeys == lk
+        same &= rkeys == rk
+        if not bool(_ALL(same)):
+            return False
+        read = int(batch.opcode[lo]) == _READ
+        mine = self.memory.usable(lk, _NEED_READ_LOCAL if read else _NEED_WRITE_LOCAL)
+        theirs = remote.usable(rk, _NEED_READ_REMOTE if read else _NEED_WRITE_REMOTE)
+        if mine is None or theirs is None:
+            return False
+        (lreg, lstart, lend), (rreg, rstart, rend) = mine, theirs
+        # Bounds: every block starts at or after its region and ends by its end (Python ints: no wrap).
+        if int(_MIN(laddr)) < lstart or int(_MAX(laddr)) + length > lend:
+            return False
+        if int(_MIN(raddr)) < rstart or int(_MAX(raddr)) + length > rend:
+            return False
+        # Offsets below 2**63 read the same as signed: a view, and fancy indexing takes intp at full speed.
+        loff = (laddr - np.uint64(lstart)).view(np.intp)
+        roff = (raddr - np.uint64(rstart)).view(np.intp)
+        if read:
+            if not independent(rreg, lreg, loff, length):
+                return False
+            copy_equal(rreg.array, roff, lreg.array, loff, length)
+        else:
+            if not independent(lreg, rreg, roff, length):
+                return False
+            copy_equal(lreg.array, loff, rreg.array, roff, length)
+        return True
+
     def _execute_one(self, batch: WorkBatch, remote: MemoryTable) -> WcStatus | None:
         """Check and copy the batch's only request; its failure status, or None."""
         read = batch.opcode.item(0) == _READ
@@ -267,13 +364,13 @@ class MockQueuePair(QueuePair):
             batch.sge_length.tolist()[a:b],
             batch.sge_lkey.tolist()[a:b],
         )
-        need = Access.LOCAL_WRITE if read else Access(0)
+        need = _NEED_READ_LOCAL if read else _NEED_WRITE_LOCAL
         local = [self.memory.lookup(k, x, n, need) for k, x, n in zip(lkeys, addrs, lengths, strict=True)]
         if None in local:
             return WcStatus.LOC_PROT_ERR
         raddr = batch.remote_addr.item(0)
         far = remote.lookup(batch.rkey.item(0), raddr, batch.length.item(0),
-                            Access.REMOTE_READ if read else Access.REMOTE_WRITE)  # fmt: skip
+                            _NEED_READ_REMOTE if read else _NEED_WRITE_REMOTE)  # fmt: skip
         if far is None:
             return WcStatus.REM_ACCESS_ERR
         pos = raddr - far.addr
