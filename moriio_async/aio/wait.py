@@ -83,8 +83,9 @@ async def waiting_for_transfer_complete(
     transfers go on, and their buffers stay pinned until they end. A
     transfer given twice counts once. With ``fail_fast`` the wait ends at the
     first failure, listing the failures only (those already in the completion
-    queue when it ends included); if it reaches its deadline first, it lists
-    the timed-out transfers too.
+    queue when it ends included; a failure known before the call ends it at
+    once, even with a timeout of 0); if it reaches its deadline first, it
+    lists the timed-out transfers too.
     """
     loop = asyncio.get_running_loop()
     # The deadline counts from the call: sorting out thousands of transfers below is part of the wait.

@@ -56,6 +56,19 @@ async def test_deadline_is_kept_however_completions_are_scheduled(sc: Scenario) 
         t_real=0.03125,
     )
 )
+@example(  # timeout=0, fail_fast, a failure known before the wait: the failure ends it, nothing timed out
+    Scenario(
+        wrs=[1, 1],
+        first=[NicStep("fail", 1, WcStatus.REM_ACCESS_ERR)],
+        timed=[],
+        fail_fast=True,
+        silent=False,
+        t_virtual=1.0,
+        t_real=0.03125,
+        settle=True,
+        zero=True,
+    )
+)
 async def test_error_lists_exactly_what_had_not_succeeded_at_the_deadline(sc: Scenario) -> None:
     """The TransferError lists exactly the transfers that had not succeeded when the wait ended: each
     in exactly one of .failed (with its real status) or .timed_out; a transfer that succeeded never
@@ -78,7 +91,9 @@ async def test_error_lists_exactly_what_had_not_succeeded_at_the_deadline(sc: Sc
         assert set(got_failed) == failed
         for e in err.failed:
             assert e.wc_status is r.expected[e.transfer_id]
-        if r.deadline_reached or not sc.fail_fast:
+        # A failure known before a fail_fast wait ends it first, even with timeout=0 (whose deadline has
+        # passed too): the failure came first. A failure only the final drain finds hides nothing.
+        if (r.deadline_reached and not (sc.fail_fast and r.failed_before)) or not sc.fail_fast:
             assert set(got_timed_out) == pending
         else:
             assert got_timed_out == [], "fail_fast ended the wait early: nothing has timed out yet"

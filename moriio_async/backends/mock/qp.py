@@ -3,9 +3,9 @@
 Everything happens on the thread that posts (and, in ``hold`` mode, on the
 thread that calls ``step``); the completion queue is the only thing shared
 with the poller. A batch is cut into runs of one opcode; each run is checked
-whole (``MemoryTable.resolve`` on the local SGEs and the remote ranges), the
-requests before the first failing one are copied, and only signaled
-successes, the failure and the flushes after it make completions.
+and copied by ``execute.py`` (the requests before the first failing one
+run), and the pair turns the outcome into completions: only signaled
+successes, the failure and the flushes after it make one.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from ..softcq import SoftCompletionQueue
+from .execute import execute, execute_one
 from .fabric import MockFabric
-from .memory import VECTOR_MAX, MemoryTable, copy, copy_equal, independent
+from .memory import MemoryTable
 
 __all__ = ["MockQueuePair"]
 
@@ -249,7 +250,7 @@ class MockQueuePair(QueuePair):
             return
         n = len(batch)
         if n == 1:  # one request (the runtime's single read/write): plain integers, no array work
-            status = self._execute_one(batch, peer.memory)
+            status = execute_one(self.memory, batch, peer.memory)
             if status is None:
                 self._complete_ok(batch, 0, 1, out)
             else:
@@ -261,128 +262,11 @@ class MockQueuePair(QueuePair):
         else:
             cuts = [0, *(np.flatnonzero(np.diff(ops)) + 1).tolist(), n]
         for lo, hi in itertools.pairwise(cuts):
-            done, status = self._execute(batch, lo, hi, peer.memory)
+            done, status = execute(self.memory, batch, lo, hi, peer.memory)
             self._complete_ok(batch, lo, lo + done, out)
             if status is not None:
                 self._fail(batch, lo + done, status, out)
                 return
-
-    def _execute(self, batch: WorkBatch, lo: int, hi: int, remote: MemoryTable) -> tuple[int, WcStatus | None]:
-        """Check requests ``lo:hi`` (one opcode) and copy those before the first failure; return
-        how many ran and the failure's status (None: all ran)."""
-        if self._execute_uniform(batch, lo, hi, remote):
-            return hi - lo, None
-        read = int(batch.opcode[lo]) == _READ
-        starts = batch.sge_start
-        a, b = int(starts[lo]), int(starts[hi])
-        k = hi - lo
-        local = self.memory.resolve(
-            batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b], Access.LOCAL_WRITE if read else Access(0)
-        )
-        far = remote.resolve(
-            batch.rkey[lo:hi],
-            batch.remote_addr[lo:hi],
-            batch.length[lo:hi],
-            Access.REMOTE_READ if read else Access.REMOTE_WRITE,
-        )
-        owner = np.repeat(np.arange(k), np.diff(starts[lo : hi + 1]))  # the request of each SGE
-        bad_local = owner[~local.ok]
-        first_local = int(bad_local[0]) if len(bad_local) else k
-        bad_remote = np.flatnonzero(~far.ok)
-        first_remote = int(bad_remote[0]) if len(bad_remote) else k
-        done = min(first_local, first_remote)
-        status = None if done == k else WcStatus.LOC_PROT_ERR if first_local == done else WcStatus.REM_ACCESS_ERR
-        if done:
-            e = int(starts[lo + done]) - a  # the SGEs of the requests that run
-            owner = owner[:e]
-            lengths = batch.sge_length[a : a + e]
-            prefix = np.zeros(e + 1, dtype=np.uint64)
-            np.cumsum(lengths, out=prefix[1:])
-            # Each SGE's place in its request's remote range: bytes before it in the same request.
-            within = (prefix[:-1] - prefix[starts[lo : lo + done] - a][owner]).astype(np.int64)
-            mine, theirs = local.blocks(slice(0, e)), far.blocks(owner, far.offset[owner] + within)
-            if read:
-                copy(theirs, mine, lengths)
-            else:
-                copy(mine, theirs, lengths)
-        return done, status
-
-    def _execute_uniform(self, batch: WorkBatch, lo: int, hi: int, remote: MemoryTable) -> bool:
-        """The usual chunk, in a dozen array operations: one scatter entry per request, one key and
-        one block length on each side, every block inside its region, order irrelevant. Copies and
-        returns True if the chunk is that; returns False, having done nothing, for anything else
-        (``_execute``'s general path then finds the first failing request)."""
-        starts = batch.sge_start
-        a, b = int(starts[lo]), int(starts[hi])
-        k = hi - lo
-        if b - a != k or k < 2:
-            return False
-        lkeys, rkeys = batch.sge_lkey[a:b], batch.rkey[lo:hi]
-        lk, rk = int(lkeys[0]), int(rkeys[0])
-        laddr, lens, raddr = batch.sge_addr[a:b], batch.sge_length[a:b], batch.remote_addr[lo:hi]
-        length = int(lens[0])
-        if not 0 < length <= VECTOR_MAX:
-            return False
-        # k requests holding k entries are one entry each only if no request holds none.
-        same = _SUB(starts[lo + 1 : hi + 1], starts[lo:hi]) == 1
-        same &= lens == length
-        same &= batch.length[lo:hi] == length
-        same &= lkeys == lk
-        same &= rkeys == rk
-        if not bool(_ALL(same)):
-            return False
-        read = int(batch.opcode[lo]) == _READ
-        mine = self.memory.usable(lk, _NEED_READ_LOCAL if read else _NEED_WRITE_LOCAL)
-        theirs = remote.usable(rk, _NEED_READ_REMOTE if read else _NEED_WRITE_REMOTE)
-        if mine is None or theirs is None:
-            return False
-        (lreg, lstart, lend), (rreg, rstart, rend) = mine, theirs
-        # Bounds: every block starts at or after its region and ends by its end (Python ints: no wrap).
-        if int(_MIN(laddr)) < lstart or int(_MAX(laddr)) + length > lend:
-            return False
-        if int(_MIN(raddr)) < rstart or int(_MAX(raddr)) + length > rend:
-            return False
-        # Offsets below 2**63 read the same as signed: a view, and fancy indexing takes intp at full speed.
-        loff = (laddr - np.uint64(lstart)).view(np.intp)
-        roff = (raddr - np.uint64(rstart)).view(np.intp)
-        if read:
-            if not independent(rreg, lreg, loff, length):
-                return False
-            copy_equal(rreg.array, roff, lreg.array, loff, length)
-        else:
-            if not independent(lreg, rreg, roff, length):
-                return False
-            copy_equal(lreg.array, loff, rreg.array, roff, length)
-        return True
-
-    def _execute_one(self, batch: WorkBatch, remote: MemoryTable) -> WcStatus | None:
-        """Check and copy the batch's only request; its failure status, or None."""
-        read = batch.opcode.item(0) == _READ
-        a, b = batch.sge_start.item(0), batch.sge_start.item(1)
-        addrs, lengths, lkeys = (
-            batch.sge_addr.tolist()[a:b],
-            batch.sge_length.tolist()[a:b],
-            batch.sge_lkey.tolist()[a:b],
-        )
-        need = _NEED_READ_LOCAL if read else _NEED_WRITE_LOCAL
-        local = [self.memory.lookup(k, x, n, need) for k, x, n in zip(lkeys, addrs, lengths, strict=True)]
-        if None in local:
-            return WcStatus.LOC_PROT_ERR
-        raddr = batch.remote_addr.item(0)
-        far = remote.lookup(batch.rkey.item(0), raddr, batch.length.item(0),
-                            _NEED_READ_REMOTE if read else _NEED_WRITE_REMOTE)  # fmt: skip
-        if far is None:
-            return WcStatus.REM_ACCESS_ERR
-        pos = raddr - far.addr
-        for region, addr, n in zip(local, addrs, lengths, strict=True):
-            assert region is not None
-            off = addr - region.addr
-            if read:
-                region.array[off : off + n] = far.array[pos : pos + n]
-            else:
-                far.array[pos : pos + n] = region.array[off : off + n]
-            pos += n
-        return None
 
     def _complete_ok(self, batch: WorkBatch, lo: int, hi: int, out: Completions) -> None:
         """Requests ``lo:hi`` succeeded: a completion for each signaled one, covering those before it."""
