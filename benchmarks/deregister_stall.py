@@ -17,84 +17,48 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import socket
 import statistics
-import struct
-import threading
+import sys
 import time
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' hand-written wire clients
+
 from moriio_async import IOEngine, IOEngineConfig
-
-
-def frame(obj: dict[str, Any]) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack("!I", len(body)) + body
-
-
-async def read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
-    (n,) = struct.unpack("!I", await reader.readexactly(4))
-    message: dict[str, Any] = json.loads(await reader.readexactly(n))
-    return message
+from tests.backends import datawire as dw
+from tests.engine.wire import hello, read_message
 
 
 async def one_round(engine: IOEngine, every: float) -> tuple[float, float, bool]:
     target = np.zeros(1 << 16, np.uint8)
     desc = engine.register_memory(target, name="victim")
-    host, port = engine.address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(frame({"op": "hello", "id": 1, "engine": {"kind": "EngineDesc", "key": "hostile", "host": host,
-                                                          "port": 1, "incarnation": 1, "backend": "tcp"}}))  # fmt: skip
-    assert (await read_message(reader))["op"] == "welcome"
-    endpoint = {"backend": "tcp", "accepting": False, "host": host, "port": 1, "qp_num": 7}
-    writer.write(frame({"op": "connect_qp", "id": 2, "incarnation": engine.incarnation, "endpoint": endpoint}))
-    answer = (await read_message(reader))["endpoint"]
-    sock = socket.create_connection((host, int(answer["port"])))
-    sock.sendall(struct.pack("<4sHH16sI", b"MRIO", 2, 0, bytes.fromhex(answer["token"]), 7))
-    sock.recv(12)
-    sock.sendall(struct.pack("<BBHIII", 0, 0, 0, 0, 1, 0) + struct.pack("<IIQQ", desc.rkey, 0, desc.addr, 4096))
-    stop = threading.Event()
-
-    def drip() -> None:
-        while not stop.is_set():
-            try:
-                sock.send(b"\7")
-            except OSError:
-                return
-            stop.wait(every)
-
-    dripper = threading.Thread(target=drip)
-    dripper.start()
-    while not target[0]:  # the first byte landed: the region is pinned by the peer's receive  # noqa: ASYNC110
-        await asyncio.sleep(0.005)
-    gaps: list[float] = []
-
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while True:
-            await asyncio.sleep(0.002)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticking = asyncio.create_task(ticker())
-    await asyncio.sleep(0.05)
-    began = time.perf_counter()
-    engine.deregister_memory(desc)
-    took = time.perf_counter() - began
-    snapshot = target.copy()
-    await asyncio.sleep(0.05)
-    ticking.cancel()
-    await asyncio.sleep(2 * every + 0.1)
-    landed_after = not np.array_equal(target, snapshot)
-    stop.set()
-    dripper.join()
-    sock.close()
-    writer.close()
-    return took, max(gaps), landed_after
+    said = await hello(engine.address, "hostile", backend="tcp")
+    assert said.welcomed, said.replies
+    endpoint = {"backend": "tcp", "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 7}
+    await said.send({"op": "connect_qp", "id": 2, "incarnation": engine.incarnation, "endpoint": endpoint})
+    answer = (await read_message(said.reader))["endpoint"]
+    sock, status = await asyncio.to_thread(dw.dial, int(answer["port"]), bytes.fromhex(answer["token"]))
+    assert status == dw.OK
+    sock.sendall(dw.chunk(dw.WRITE, 0, (desc.rkey, desc.addr, 4096)))
+    try:
+        with dw.Dripper(sock, every):
+            while not target[0]:  # the first byte landed: the region is pinned by the peer's receive  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            async with dw.LoopGaps() as gaps:
+                await asyncio.sleep(0.05)
+                began = time.perf_counter()
+                engine.deregister_memory(desc)
+                took = time.perf_counter() - began
+                snapshot = target.copy()
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(2 * every + 0.1)
+            landed_after = not np.array_equal(target, snapshot)
+    finally:
+        sock.close()
+        await said.close()
+    return took, gaps.longest, landed_after
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -7,10 +7,12 @@ implementation (or an attacker) would.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HELLO = struct.Struct("<4sHH16sI")  # magic, version, flags, token, active qp_num
 HELLO_ACK = struct.Struct("<4sHHI")  # magic, version, status, passive qp_num
@@ -72,6 +74,63 @@ def trickle(sock: socket.socket, data: bytes, every: float) -> None:
         except OSError:
             return
         time.sleep(every)
+
+
+class Dripper:
+    """A thread that sends one byte (``\\x07``) every ``every`` seconds until stopped or the peer closes:
+    the payload of a request that never finishes arriving. Use as a context manager."""
+
+    def __init__(self, sock: socket.socket, every: float) -> None:
+        self.sock, self.every = sock, every
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="dripper", daemon=True)
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.sock.send(b"\7")
+            except OSError:
+                return
+            self.stopped.wait(self.every)
+
+    def __enter__(self) -> Dripper:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+@dataclass
+class LoopGaps:
+    """The running loop's gaps while it is entered: a task sleeps ``tick`` seconds at a time and records how
+    long each sleep really took, so a gap far above ``tick`` is the loop standing still."""
+
+    tick: float = 0.002
+    gaps: list[float] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+    async def tock(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(self.tick)
+            now = time.perf_counter()
+            self.gaps.append(now - last)
+            last = now
+
+    async def __aenter__(self) -> LoopGaps:
+        self.task = asyncio.get_running_loop().create_task(self.tock())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    @property
+    def longest(self) -> float:
+        return max(self.gaps, default=0.0)
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,49 +76,25 @@ async def test_deregistering_under_a_trickled_write_does_not_stall_the_loop(
     sock, status = await asyncio.to_thread(dw.dial, int(endpoint["port"]), token_of(said, endpoint))
     assert status == dw.OK
     sock.sendall(dw.chunk(dw.WRITE, 0, (desc.rkey, desc.addr, 4096)))
-    stop = threading.Event()
-
-    def drip() -> None:
-        while not stop.is_set():
-            try:
-                sock.send(b"\7")
-            except OSError:
-                return
-            stop.wait(0.5)
-
-    dripper = threading.Thread(target=drip)
-    dripper.start()
     try:
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + 10
-        while not target[0]:  # the first byte landed: the region is pinned by the receive now
-            assert loop.time() < give_up
-            await asyncio.sleep(0.01)
-        gaps: list[float] = []
-
-        async def ticker() -> None:
-            last = time.perf_counter()
-            while True:
-                await asyncio.sleep(0.002)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        ticking = asyncio.create_task(ticker())
-        await asyncio.sleep(0.05)
-        b.deregister_memory(desc)
-        snapshot = target.copy()
-        await asyncio.sleep(0.05)
-        ticking.cancel()
-        r = await asyncio.to_thread(dw.response, sock)
-        assert (r.status, r.done) == (dw.REM_ACCESS_ERR, 0)
-        await asyncio.sleep(1.2)  # two more drips would have landed
-        assert np.array_equal(target, snapshot), "a byte landed after deregister_memory returned"
-        assert max(gaps) < 0.1, f"the loop stood still {max(gaps) * 1000:.0f} ms"
-        assert b.describe_backend()["data_plane"]["aborted_requests"] == 1
+        with dw.Dripper(sock, 0.5):
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 10
+            while not target[0]:  # the first byte landed: the region is pinned by the receive now
+                assert loop.time() < give_up
+                await asyncio.sleep(0.01)
+            async with dw.LoopGaps() as gaps:
+                await asyncio.sleep(0.05)
+                b.deregister_memory(desc)
+                snapshot = target.copy()
+                await asyncio.sleep(0.05)
+            r = await asyncio.to_thread(dw.response, sock)
+            assert (r.status, r.done) == (dw.REM_ACCESS_ERR, 0)
+            await asyncio.sleep(1.2)  # two more drips would have landed
+            assert np.array_equal(target, snapshot), "a byte landed after deregister_memory returned"
+            assert gaps.longest < 0.1, f"the loop stood still {gaps.longest * 1000:.0f} ms"
+            assert b.describe_backend()["data_plane"]["aborted_requests"] == 1
     finally:
-        stop.set()
-        dripper.join()
         sock.close()
         await said.close()
     # A legitimate peer is unaffected.
