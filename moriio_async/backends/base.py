@@ -114,6 +114,8 @@ class BackendOptions:
     retry_cnt: int = 6
     """Verbs: transport retries (at most 6: rxe treats 7 as retry forever)."""
     rnr_retry: int = 7
+    max_data_hellos: int = 64
+    """TCP: data connections allowed in their hello at once; one more is refused at accept and counted."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -70,6 +70,9 @@ class IOEngineConfig:
     """Bytes of notification data queued, with the same backpressure."""
     max_answering_qps_per_link: int = 256
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
+    max_data_hellos: int = 64
+    """TCP backend: data connections allowed in their hello (token not yet checked) at once; one more is
+    refused at accept and counted in ``statistics()["data_plane"]["refused_connections"]``."""
     max_inbound_statuses: int = 4096
     """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
     oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
@@ -92,6 +95,7 @@ class IOEngineConfig:
             "max_notification_bytes",
             "max_answering_qps_per_link",
             "max_inbound_statuses",
+            "max_data_hellos",
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be >= 1")
@@ -123,5 +127,6 @@ class IOEngineConfig:
             qp_timeout=self.qp_timeout,
             retry_cnt=self.retry_cnt,
             rnr_retry=self.rnr_retry,
+            max_data_hellos=self.max_data_hellos,
             extra=self.backend_extra,
         )

@@ -20,7 +20,6 @@ import pytest
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend, MemoryRegion, QueuePair
 from moriio_async.backends.tcp import Hooks, TcpBackend, VendorErr
-from moriio_async.backends.tcp.listener import MAX_HELLOS
 from moriio_async.backends.tcp.regions import KeyStream
 from moriio_async.core.auth import token_for
 from moriio_async.errors import InvalidArgument
@@ -244,9 +243,11 @@ def test_a_trickled_chunk_is_cut_at_its_deadline(part: str) -> None:
         assert t.counters["slow_messages"] == 1
 
 
-def test_hellos_under_way_are_capped() -> None:
-    with target(connect_timeout=30.0) as t:
-        idle = [socket.create_connection(("127.0.0.1", t.port)) for _ in range(MAX_HELLOS)]
+@pytest.mark.parametrize("cap", [64, 5])
+def test_hellos_under_way_are_capped(cap: int) -> None:
+    """At most ``max_data_hellos`` connections sit in their hello (the default, and a configured cap)."""
+    with target(connect_timeout=30.0, **({} if cap == 64 else {"max_data_hellos": cap})) as t:
+        idle = [socket.create_connection(("127.0.0.1", t.port)) for _ in range(cap)]
         try:
             time.sleep(0.2)
             extra = socket.create_connection(("127.0.0.1", t.port))
@@ -285,36 +286,23 @@ def test_deregistration_aborts_a_trickled_write_instead_of_waiting() -> None:
         sock, status = dw.dial(t.port, random_token(t))
         assert status == dw.OK
         sock.sendall(dw.chunk(dw.WRITE, 0, (t.mr.rkey, t.mr.addr, 4096)) + b"\7" * 10)
-        stop = threading.Event()
-
-        def drip() -> None:
-            while not stop.is_set():
-                try:
-                    sock.send(b"\7")
-                except OSError:
-                    return
-                time.sleep(0.05)
-
-        sender = threading.Thread(target=drip)
-        sender.start()
         try:
-            deadline = time.monotonic() + 5
-            while not (t.buf[:10] == 7).all():  # the payload is landing in the region
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            started = time.perf_counter()
-            t.backend.deregister_memory(t.mr)
-            took = time.perf_counter() - started
-            snapshot = t.buf.copy()
-            r = dw.response(sock)
-            assert (r.status, r.vendor) == (dw.REM_ACCESS_ERR, VendorErr.REMOTE_DEREGISTERED)
-            time.sleep(0.3)
-            assert np.array_equal(t.buf, snapshot), "a byte landed after deregistration returned"
-            assert t.counters["aborted_requests"] == 1
-            assert took < 5.0, f"deregistration waited {took:.1f}s for the peer"  # the old wait: 30 s here
+            with dw.Dripper(sock, 0.05):
+                deadline = time.monotonic() + 5
+                while not (t.buf[:10] == 7).all():  # the payload is landing in the region
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                started = time.perf_counter()
+                t.backend.deregister_memory(t.mr)
+                took = time.perf_counter() - started
+                snapshot = t.buf.copy()
+                r = dw.response(sock)
+                assert (r.status, r.vendor) == (dw.REM_ACCESS_ERR, VendorErr.REMOTE_DEREGISTERED)
+                time.sleep(0.3)
+                assert np.array_equal(t.buf, snapshot), "a byte landed after deregistration returned"
+                assert t.counters["aborted_requests"] == 1
+                assert took < 5.0, f"deregistration waited {took:.1f}s for the peer"  # the old wait: 30 s here
         finally:
-            stop.set()
-            sender.join()
             sock.close()
 
 

@@ -129,6 +129,10 @@ async def test_bad_addresses_and_configs() -> None:
         IOEngineConfig(transfer_timeout=0)
     with pytest.raises(InvalidArgument):
         IOEngineConfig(port=70000)
+    with pytest.raises(InvalidArgument, match="max_data_hellos"):
+        IOEngineConfig(max_data_hellos=0)
+    # The TCP backend's cap on connections in their hello comes from the engine's config.
+    assert IOEngineConfig(max_data_hellos=3).backend_options().max_data_hellos == 3
     async with IOEngine("x", IOEngineConfig(backend="mock")) as e:
         with pytest.raises(InvalidArgument, match="host:port"):
             await e.connect("nonsense")

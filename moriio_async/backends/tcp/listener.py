@@ -14,7 +14,7 @@ never crosses the control link; without one, 16 random bytes sent over the
 (unauthenticated) control link, as before.
 
 The hello must arrive whole within ``connect_timeout`` of the accept, however
-its bytes are spaced; at most ``MAX_HELLOS`` connections may be in their
+its bytes are spaced; at most ``BackendOptions.max_data_hellos`` connections may be in their
 hello at once (more are closed at once). A hello with an unknown or used
 token, a bad magic or version, or too slow, is refused, counted and logged
 at a rate-limited WARNING (``DataGuard``).
@@ -35,9 +35,8 @@ from .pairstate import PairState
 from .responder import Responder
 from .wire import HELLO, HELLO_ACK, MAGIC, VERSION, HelloStatus, PeerGone, VendorErr, configure_data_socket
 
-__all__ = ["MAX_HELLOS", "Listener", "dial"]
+__all__ = ["Listener", "dial"]
 
-MAX_HELLOS = 64
 """Accepted connections that may be in their hello at once (each holds a thread until it is done)."""
 
 log = logging.getLogger("moriio_async.tcp")
@@ -123,12 +122,14 @@ class Listener:
                 if self._closed:
                     conn.close()
                     return
-                busy = self._in_hello >= MAX_HELLOS
+                busy = self._in_hello >= self.options.max_data_hellos
                 if not busy:
                     self._in_hello += 1
                     self._threads[responder] = thread
             if busy:
-                self.guard.refused_connection(_host(conn), f"{MAX_HELLOS} connections are in their hello already")
+                self.guard.refused_connection(
+                    _host(conn), f"{self.options.max_data_hellos} connections are in their hello already"
+                )
                 conn.close()
                 continue
             thread.start()
