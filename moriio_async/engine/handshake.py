@@ -7,7 +7,9 @@ memory; the dialer checks that proof, then sends its own; the listener checks
 it, and only then is the link bound to the dialer's key and ``welcome``
 sent with the exported memory. Either side that cannot verify the other
 refuses with reason ``auth`` and closes. A secret on one side only is refused
-the same way, with a message that says so. Without a secret on either side,
+the same way, with a message that says so. The proofs also cover both
+ends' transports (the backends each advertises in its engine record), so a
+session's choice of backend cannot be steered by anyone between them. Without a secret on either side,
 ``hello`` is answered by ``welcome`` directly.
 
 Nothing here changes the engine's state: the listener side returns who
@@ -72,8 +74,9 @@ class Handshake:
         challenge = await link.request(Hello(engine=record, auth=True, nonce=nonce), Challenge)
         listener = challenge.engine
         transcript = Transcript(
-            local.key, local.incarnation, nonce, listener.key, listener.incarnation, challenge.nonce
-        )
+            local.key, local.incarnation, nonce, listener.key, listener.incarnation, challenge.nonce,
+            _transports(record, listener),
+        )  # fmt: skip
         if len(challenge.nonce) != NONCE_BYTES or not transcript.verify(secret, "listener", challenge.proof):
             await link.refuse("auth", f"engine {local.key!r} could not verify your proof: the secrets differ")
             raise AuthenticationError(
@@ -111,11 +114,13 @@ class Handshake:
         if len(first.nonce) != NONCE_BYTES:
             raise HelloRefused("auth", f"the hello's nonce must have {NONCE_BYTES} bytes", first.id, key=key, auth=True)
         listener_nonce = new_nonce()
+        record = EngineRecord.of(local)
         transcript = Transcript(
-            key, first.engine.incarnation, first.nonce, local.key, local.incarnation, listener_nonce
-        )
+            key, first.engine.incarnation, first.nonce, local.key, local.incarnation, listener_nonce,
+            _transports(first.engine, record),
+        )  # fmt: skip
         proof = transcript.proof(secret, "listener")
-        await link.send(Challenge(re=first.id, engine=EngineRecord.of(local), nonce=listener_nonce, proof=proof))
+        await link.send(Challenge(re=first.id, engine=record, nonce=listener_nonce, proof=proof))
         second = await link.read_message(idle_ok=False)
         if second is None or isinstance(second, Refused):
             why = second.message if second is not None else "it closed the connection before proving"
@@ -128,3 +133,10 @@ class Handshake:
             why = f"{key!r}'s proof does not match engine {local.key!r}'s secret"
             raise HelloRefused("auth", why, second.id, key=key, auth=True)
         return Greeting(first.engine.desc(), second.id, transcript.session_key(secret))
+
+
+def _transports(dialer: EngineRecord, listener: EngineRecord) -> bytes:
+    """What the proofs say about transports: both ends' lists, as each sent them (empty if neither has one)."""
+    if not dialer.transports and not listener.transports:
+        return b""
+    return dialer.transport_bytes() + b"\n" + listener.transport_bytes()
