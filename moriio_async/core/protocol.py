@@ -59,6 +59,7 @@ __all__ = [
     "answering",
     "decode",
     "encode",
+    "proven_transports",
     "with_id",
 ]
 
@@ -176,6 +177,14 @@ class RegionRecord(msgspec.Struct, frozen=True, kw_only=True):
         return MemoryDesc(
             self.engine_key, self.incarnation, self.name, self.addr, self.length, self.rkey, access, rkeys
         )
+
+
+def proven_transports(dialer: EngineRecord, listener: EngineRecord) -> bytes:
+    """What the authenticated hello's proofs say about transports (``core.auth.Transcript.transports``):
+    both ends' lists as each sent them; empty when neither sent any (an older peer)."""
+    if not dialer.transports and not listener.transports:
+        return b""
+    return dialer.transport_bytes() + b"\n" + listener.transport_bytes()
 
 
 Regions = Annotated[list[RegionRecord], msgspec.Meta(max_length=MAX_REGIONS)]

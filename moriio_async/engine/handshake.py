@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..aio.control import ControlLink
 from ..core.auth import NONCE_BYTES, SECRET_ENV, Transcript, new_nonce
-from ..core.protocol import Challenge, EngineRecord, Hello, Proof, Refused, Welcome
+from ..core.protocol import Challenge, EngineRecord, Hello, Proof, Refused, Welcome, proven_transports
 from ..descriptors import EngineDesc
 from ..errors import AuthenticationError, ControlPlaneError
 
@@ -75,7 +75,7 @@ class Handshake:
         listener = challenge.engine
         transcript = Transcript(
             local.key, local.incarnation, nonce, listener.key, listener.incarnation, challenge.nonce,
-            _transports(record, listener),
+            proven_transports(record, listener),
         )  # fmt: skip
         if len(challenge.nonce) != NONCE_BYTES or not transcript.verify(secret, "listener", challenge.proof):
             await link.refuse("auth", f"engine {local.key!r} could not verify your proof: the secrets differ")
@@ -117,7 +117,7 @@ class Handshake:
         record = EngineRecord.of(local)
         transcript = Transcript(
             key, first.engine.incarnation, first.nonce, local.key, local.incarnation, listener_nonce,
-            _transports(first.engine, record),
+            proven_transports(first.engine, record),
         )  # fmt: skip
         proof = transcript.proof(secret, "listener")
         await link.send(Challenge(re=first.id, engine=record, nonce=listener_nonce, proof=proof))
@@ -133,10 +133,3 @@ class Handshake:
             why = f"{key!r}'s proof does not match engine {local.key!r}'s secret"
             raise HelloRefused("auth", why, second.id, key=key, auth=True)
         return Greeting(first.engine.desc(), second.id, transcript.session_key(secret))
-
-
-def _transports(dialer: EngineRecord, listener: EngineRecord) -> bytes:
-    """What the proofs say about transports: both ends' lists, as each sent them (empty if neither has one)."""
-    if not dialer.transports and not listener.transports:
-        return b""
-    return dialer.transport_bytes() + b"\n" + listener.transport_bytes()

@@ -18,7 +18,7 @@ Backends = Backend | Sequence[Backend]
 
 
 def _all(backends: Backends) -> Sequence[Backend]:
-    return (backends,) if isinstance(backends, Backend) else backends
+    return backends if isinstance(backends, Sequence) else (backends,)
 
 
 def as_region_view(buffer: object) -> memoryview:

@@ -53,7 +53,8 @@ NO_BACKEND = "No available backend found, create backend first"
 def backend_name_for(kind: BackendType) -> str:
     """The moriio_async backend behind a MoRI-IO backend type."""
     if kind is BackendType.RDMA:
-        # verbs when a device works, else tcp (logged); MORIIO_COMPAT_RDMA_BACKEND=verbs refuses to fall back
+        # cma for peers on this host, verbs when a device works, else tcp (each session the best its peer
+        # shares; see README "A transport per peer"); MORIIO_COMPAT_RDMA_BACKEND=verbs refuses to fall back
         return os.environ.get("MORIIO_COMPAT_RDMA_BACKEND", "auto")
     if kind is BackendType.TCP:
         return "tcp"
