@@ -55,7 +55,7 @@ def open_backends(config: IOEngineConfig) -> list[Backend]:
                 options = _with_extra(options, quiet_refusal=True)
             try:
                 opened.append(open_backend(name, options))
-            except BackendUnavailable as exc:
+            except (BackendUnavailable, OSError) as exc:  # OSError: a socket or memfd the host refuses
                 if not optional:
                     raise
                 log.info("backend=auto: %s unavailable here (%s)", name, exc)
