@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import struct
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
-from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
+from moriio_async import Access, IOEngine, IOEngineConfig, waiting_for_transfer_complete
+from moriio_async.core.framing import FrameError
+from moriio_async.core.protocol import decode
+from moriio_async.descriptors import EngineDesc, MemoryDesc, TransportDesc
 from moriio_async.errors import AuthenticationError, InvalidArgument
 
 from .wire import hello, read_message
@@ -183,3 +187,21 @@ async def test_transports_rewritten_between_the_engines_fail_the_authenticated_h
             assert proxy.rewrote
         finally:
             await proxy.close()
+
+
+def test_descriptors_carry_transports_and_rkeys_and_refuse_too_many() -> None:
+    engine = EngineDesc("a", "127.0.0.1", 1, 2, "cma", (TransportDesc("cma", "boot/pid:1"), TransportDesc("tcp")))
+    assert EngineDesc.unpack(engine.pack()) == engine
+    assert engine.transport_names() == ("cma", "tcp")
+    assert EngineDesc("a", "h", 1, 2, "tcp").transport_names() == ("tcp",)  # an older peer: its one backend
+    region = MemoryDesc("a", 2, "kv", 4096, 64, 7, Access.all(), (("cma", 7), ("tcp", 9)))
+    assert MemoryDesc.unpack(region.pack()) == region
+    assert region.rkey_for("tcp") == 9 and region.rkey_for("verbs") == 7
+    too_many = [{"name": f"b{i}", "scope": ""} for i in range(5)]
+    with pytest.raises(InvalidArgument):
+        EngineDesc.unpack(json.dumps({**json.loads(engine.pack()), "transports": too_many}))
+    with pytest.raises(InvalidArgument):
+        MemoryDesc.unpack(json.dumps({**json.loads(region.pack()), "rkeys": {"tcp": 1 << 32}}))
+    hello = {"op": "hello", "id": 1, "engine": {**json.loads(engine.pack()), "transports": too_many}}
+    with pytest.raises(FrameError):
+        decode(json.dumps(hello).encode())
