@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .aio.transfer import Transfer
 from .aio.wait import waiting_for_transfer_complete
-from .descriptors import EngineDesc, MemoryDesc
+from .descriptors import EngineDesc, MemoryDesc, TransportDesc
 from .engine import IOEngine, IOEngineConfig, Notification, PeerInfo, Session
 from .errors import (
     AuthenticationError,
@@ -63,6 +63,7 @@ __all__ = [
     "TransferFailed",
     "TransferStatus",
     "TransferTimeout",
+    "TransportDesc",
     "WcStatus",
     "waiting_for_transfer_complete",
 ]

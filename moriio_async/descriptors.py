@@ -16,9 +16,11 @@ from typing import Any
 from .errors import InvalidArgument
 from .status import Access
 
-__all__ = ["EngineDesc", "MemoryDesc", "new_incarnation"]
+__all__ = ["MAX_TRANSPORTS", "EngineDesc", "MemoryDesc", "TransportDesc", "new_incarnation"]
 
 _U64 = (1 << 64) - 1
+MAX_TRANSPORTS = 4
+"""Most transports an engine advertises (one per backend kind)."""
 _RANDOM_BITS = 10
 _last_incarnation = 0
 _incarnation_lock = threading.Lock()
@@ -57,14 +59,49 @@ def _load(raw: bytes | str, what: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class TransportDesc:
+    """One backend an engine has open, as a peer needs it to decide whether it reaches this engine.
+
+    ``scope`` says where the backend reaches: for cma the host and namespaces
+    (boot id, pid and net namespace, uid), which must equal the peer's own; empty
+    where any peer with the same backend may use it (tcp, verbs).
+    """
+
+    name: str
+    scope: str = ""
+
+
+def _transports(data: dict[str, Any]) -> tuple[TransportDesc, ...]:
+    raw = data.get("transports", [])
+    if not isinstance(raw, list) or len(raw) > MAX_TRANSPORTS:
+        raise InvalidArgument(f"descriptor field 'transports' must be a list of at most {MAX_TRANSPORTS}")
+    out = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise InvalidArgument("descriptor field 'transports' holds a non-object")
+        out.append(TransportDesc(_field(item, "name", str), _field(item, "scope", str)))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineDesc:
-    """An engine as its peers see it. ``incarnation`` changes at every engine start."""
+    """An engine as its peers see it. ``incarnation`` changes at every engine start.
+
+    ``backend`` is the engine's preferred backend; ``transports`` every one it has
+    open, in its order of preference (empty from an engine older than transports:
+    then ``backend`` is its only one).
+    """
 
     key: str
     host: str
     port: int
     incarnation: int
     backend: str
+    transports: tuple[TransportDesc, ...] = ()
+
+    def transport_names(self) -> tuple[str, ...]:
+        """The backends a session to this engine may use, best first."""
+        return tuple(t.name for t in self.transports) or (self.backend,)
 
     @property
     def address(self) -> str:
@@ -84,6 +121,7 @@ class EngineDesc:
             port=_field(data, "port", int),
             incarnation=_field(data, "incarnation", int),
             backend=_field(data, "backend", str),
+            transports=_transports(data),
         )
         if not 0 <= desc.port <= 0xFFFF or not 0 <= desc.incarnation <= _U64:
             raise InvalidArgument("EngineDesc has an out-of-range port or incarnation")
@@ -110,10 +148,23 @@ class MemoryDesc:
     length: int
     rkey: int
     access: Access
+    rkeys: tuple[tuple[str, int], ...] = ()
+    """With several backends open: the region's rkey on each, by backend name (``rkey`` is the first's)."""
+
+    def rkey_for(self, transport: str) -> int:
+        """The rkey a request over ``transport`` names (``rkey`` when the owner has one backend)."""
+        for name, rkey in self.rkeys:
+            if name == transport:
+                return rkey
+        return self.rkey
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["access"] = int(self.access)
+        if self.rkeys:
+            data["rkeys"] = dict(self.rkeys)
+        else:
+            del data["rkeys"]
         return {"kind": "MemoryDesc", **data}
 
     def pack(self) -> bytes:
@@ -129,11 +180,22 @@ class MemoryDesc:
             length=_field(data, "length", int),
             rkey=_field(data, "rkey", int),
             access=Access(_field(data, "access", int) & int(Access.all())),
+            rkeys=_rkeys(data),
         )
-        if not (0 <= desc.addr <= _U64 and 0 < desc.length <= _U64 and 0 <= desc.rkey < 1 << 32):
+        rkeys = [desc.rkey, *(r for _, r in desc.rkeys)]
+        if not (0 <= desc.addr <= _U64 and 0 < desc.length <= _U64 and all(0 <= r < 1 << 32 for r in rkeys)):
             raise InvalidArgument("MemoryDesc has an out-of-range addr, length or rkey")
         return desc
 
     @classmethod
     def unpack(cls, raw: bytes | str) -> MemoryDesc:
         return cls.from_dict(_load(raw, "MemoryDesc"))
+
+
+def _rkeys(data: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    raw = data.get("rkeys", {})
+    if not isinstance(raw, dict) or len(raw) > MAX_TRANSPORTS:
+        raise InvalidArgument(f"descriptor field 'rkeys' must map at most {MAX_TRANSPORTS} backends to rkeys")
+    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in raw.items()):
+        raise InvalidArgument("descriptor field 'rkeys' must map backend names to ints")
+    return tuple(raw.items())

@@ -6,6 +6,12 @@ transfers. Sessions register their channel here (``attach``/``detach``) and
 each transfer once (``track``); a transfer holds the router only as something
 it can ``drain()``, so the deadline wait can look at the completion queue one
 last time before it calls anything a timeout.
+
+An engine with several backends has one completion queue per backend, each
+with its own reader (``add_queue``). Queue-pair numbers repeat across
+backends, so the engine numbers the pairs of its ``n``-th backend with ``n``
+above the low ``TAG_SHIFT`` bits, and each queue's completions are looked up
+in that queue's own table by the backend's number.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ from .channel import QpChannel
 from .cq_reader import CompletionReader, ReaderStatistics
 from .transfer import Transfer
 
-__all__ = ["CompletionRouter", "Pinned", "RouterStatistics"]
+__all__ = ["TAG_SHIFT", "CompletionRouter", "Pinned", "RouterStatistics"]
+
+TAG_SHIFT = 24
+"""Queue-pair numbers above these bits say which of the engine's completion queues (backends) the pair uses."""
+_QP_MASK = (1 << TAG_SHIFT) - 1
 
 
 class Pinned(Protocol):
@@ -46,7 +56,9 @@ class CompletionRouter:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, cq: CompletionQueue, *, batch: int = 64) -> None:
         self.loop = loop
-        self._channels: dict[int, QpChannel] = {}
+        self._batch = batch
+        self._tables: list[dict[int, QpChannel]] = []
+        """Per completion queue: the backend's queue-pair number -> channel."""
         # transfer -> what it pins; one bound method ends them all (no closure per transfer).
         self._outstanding: dict[Transfer, Pinned] = {}
         self._on_ended = self._ended
@@ -54,7 +66,23 @@ class CompletionRouter:
         self._drains = 0
         self._closed = False
         self._stopped = False
-        self._reader = CompletionReader(loop, cq, self._dispatch, batch=batch, has_work=self._has_work)
+        self._started = False
+        self._readers: list[CompletionReader] = []
+        self.add_queue(cq)
+
+    def add_queue(self, cq: CompletionQueue) -> None:
+        """Route another backend's queue too: its pairs are numbered with its position (1, 2, ...) above
+        ``TAG_SHIFT``. Before ``start``."""
+        if self._started:
+            raise RuntimeError("add_queue after start")
+        table: dict[int, QpChannel] = {}
+        self._tables.append(table)
+
+        def dispatch(wcs: list[WorkCompletion]) -> None:
+            self._dispatch(table, wcs)
+
+        reader = CompletionReader(self.loop, cq, dispatch, batch=self._batch, has_work=self._has_work)
+        self._readers.append(reader)
 
     @property
     def closed(self) -> bool:
@@ -62,8 +90,10 @@ class CompletionRouter:
         return self._closed
 
     def start(self) -> None:
-        """Start watching the completion queue (once)."""
-        self._reader.start()
+        """Start watching the completion queues (once)."""
+        self._started = True
+        for reader in self._readers:
+            reader.start()
 
     def begin_close(self) -> None:
         """Refuse new transfers from now on; completions still reach the ones in flight until ``close``."""
@@ -73,29 +103,33 @@ class CompletionRouter:
         """Dispatch what is already queued, then stop watching. The queue itself belongs to the caller."""
         self._closed = True
         if not self._stopped:
-            self._reader.drain()
-            self._reader.close()
+            for reader in self._readers:
+                reader.drain()
+                reader.close()
             self._stopped = True
 
     # -- channels -------------------------------------------------------------------------------
 
     def attach(self, channel: QpChannel) -> None:
         """Route the completions of ``channel``'s current queue pair to it."""
-        self._channels[channel.qp_num] = channel
+        qp_num = channel.qp_num
+        self._tables[qp_num >> TAG_SHIFT][qp_num & _QP_MASK] = channel
 
     def detach(self, channel: QpChannel) -> None:
         """Stop routing to ``channel`` (before its queue pair is closed or replaced)."""
-        if self._channels.get(channel.qp_num) is channel:
-            del self._channels[channel.qp_num]
+        qp_num = channel.qp_num
+        table = self._tables[qp_num >> TAG_SHIFT]
+        if table.get(qp_num & _QP_MASK) is channel:
+            del table[qp_num & _QP_MASK]
 
     def kick(self) -> None:
-        """Work was posted (the reader's timer fallback needs to know)."""
-        self._reader.kick()
+        """Work was posted (the readers' timer fallback needs to know)."""
+        for reader in self._readers:
+            reader.kick()
 
-    def _dispatch(self, wcs: list[WorkCompletion]) -> None:
+    def _dispatch(self, channels: dict[int, QpChannel], wcs: list[WorkCompletion]) -> None:
         # Every completion of the poll is accounted first, then each channel posts once: the slots
         # freed by the whole poll go out as one chunk per channel, not one small chunk per completion.
-        channels = self._channels
         touched: list[QpChannel] = []
         last: QpChannel | None = None
         for wc in wcs:
@@ -114,7 +148,7 @@ class CompletionRouter:
         if self._stopped:
             return 0  # the queue may be gone already; whatever was in it was dispatched by close()
         self._drains += 1
-        return self._reader.drain()
+        return sum(reader.drain() for reader in self._readers)
 
     # -- transfers ------------------------------------------------------------------------------
 
@@ -143,4 +177,11 @@ class CompletionRouter:
         return bool(self._outstanding)
 
     def statistics(self) -> RouterStatistics:
-        return RouterStatistics(len(self._channels), len(self._outstanding), self._drains, self._reader.statistics())
+        stats = [reader.statistics() for reader in self._readers]
+        reader = ReaderStatistics(
+            sum(r.wakeups for r in stats),
+            sum(r.completions for r in stats),
+            max(r.largest_batch for r in stats),
+            any(r.fallback_polling for r in stats),
+        )
+        return RouterStatistics(sum(map(len, self._tables)), len(self._outstanding), self._drains, reader)

@@ -250,6 +250,11 @@ class Backend(abc.ABC):
         """Make ``region`` reachable by peers (see Exports above). The default does nothing: the
         backend cannot refuse an unexported region at the target."""
 
+    def scope(self) -> str:
+        """Where this backend reaches, for peers choosing a transport: a peer uses it only if its own
+        backend of the same name says the same. Empty (the default): any peer that has one."""
+        return ""
+
     def watch_access_errors(self, listener: Callable[[int, str], None]) -> None:  # noqa: B027 (optional)
         """Have ``listener(qp_num, detail)`` called, from a NIC thread, each time a peer's request on
         answering pair ``qp_num`` is refused by the target's checks. The default never calls it."""

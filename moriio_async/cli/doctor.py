@@ -249,7 +249,9 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     if cma_ok and not args.no_loopback:
         cma_ok = _check_loopback(report, "cma", options)
     works = {"verbs": verbs_ok, "tcp": tcp_ok, "cma": cma_ok, "auto": verbs_ok or tcp_ok}[args.backend]
-    chosen = args.backend if args.backend != "auto" else ("verbs" if verbs_ok else "tcp")
+    # auto: each session the best transport its peer shares (cma on this host, then verbs, then tcp).
+    usable = [name for name, ok in (("cma", cma_ok), ("verbs", verbs_ok), ("tcp", tcp_ok)) if ok]
+    chosen = args.backend if args.backend != "auto" else ", ".join(usable) + " (per peer, in this order)"
     if works:
         out(f"result: backend={args.backend} can work (would use {chosen})")
         return 0

@@ -67,22 +67,26 @@ class Transcript:
     listener_key: str
     listener_incarnation: int
     listener_nonce: bytes
+    transports: bytes = b""
+    """Both ends' advertised transports, encoded by the caller: the proofs cover what each end said it
+    can use, so nobody between them can steer a session to another backend. Empty: not part of it."""
 
     def _message(self, label: bytes) -> bytes:
-        # Length-prefixed fields: no two different transcripts encode to the same bytes.
-        return b"".join(
-            _field(x)
-            for x in (
-                b"moriio-async/1",
-                label,
-                self.dialer_key.encode(),
-                self.dialer_incarnation.to_bytes(8, "big"),
-                self.dialer_nonce,
-                self.listener_key.encode(),
-                self.listener_incarnation.to_bytes(8, "big"),
-                self.listener_nonce,
-            )
-        )
+        # Length-prefixed fields: no two different transcripts encode to the same bytes (an empty
+        # ``transports`` is left out, so transcripts without one keep their bytes).
+        fields = [
+            b"moriio-async/1",
+            label,
+            self.dialer_key.encode(),
+            self.dialer_incarnation.to_bytes(8, "big"),
+            self.dialer_nonce,
+            self.listener_key.encode(),
+            self.listener_incarnation.to_bytes(8, "big"),
+            self.listener_nonce,
+        ]
+        if self.transports:
+            fields.append(self.transports)
+        return b"".join(_field(x) for x in fields)
 
     def proof(self, secret: bytes, role: str) -> bytes:
         """The proof that the side playing ``role`` ("dialer" or "listener") holds ``secret``."""

@@ -31,7 +31,7 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
-from ..descriptors import EngineDesc, MemoryDesc
+from ..descriptors import MAX_TRANSPORTS, EngineDesc, MemoryDesc, TransportDesc
 from ..status import Access
 from .framing import DEFAULT_MAX_FRAME, FrameError, frame
 
@@ -54,10 +54,12 @@ __all__ = [
     "RegionRecord",
     "Reply",
     "Request",
+    "TransportRecord",
     "Welcome",
     "answering",
     "decode",
     "encode",
+    "proven_transports",
     "with_id",
 ]
 
@@ -96,6 +98,16 @@ class _Message(msgspec.Struct, frozen=True, tag_field="op"):
     """Base of every message; subclasses name their ``op`` with ``tag=`` and are built by keyword."""
 
 
+BackendName = Annotated[str, msgspec.Meta(min_length=1, max_length=16)]
+
+
+class TransportRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``TransportDesc`` on the wire: a backend the engine has open, and where it reaches."""
+
+    name: BackendName
+    scope: Short = ""
+
+
 class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
     """An ``EngineDesc`` on the wire."""
 
@@ -104,16 +116,30 @@ class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
     port: U16
     incarnation: U64
     backend: Short
+    transports: Annotated[tuple[TransportRecord, ...], msgspec.Meta(max_length=MAX_TRANSPORTS)] = ()
+    """Empty from a peer older than transports: ``backend`` is then its only one."""
 
     def __post_init__(self) -> None:
         _check_u64(incarnation=self.incarnation)
 
     @classmethod
     def of(cls, desc: EngineDesc) -> EngineRecord:
-        return cls(key=desc.key, host=desc.host, port=desc.port, incarnation=desc.incarnation, backend=desc.backend)
+        return cls(
+            key=desc.key,
+            host=desc.host,
+            port=desc.port,
+            incarnation=desc.incarnation,
+            backend=desc.backend,
+            transports=tuple(TransportRecord(name=t.name, scope=t.scope) for t in desc.transports),
+        )
 
     def desc(self) -> EngineDesc:
-        return EngineDesc(self.key, self.host, self.port, self.incarnation, self.backend)
+        transports = tuple(TransportDesc(t.name, t.scope) for t in self.transports)
+        return EngineDesc(self.key, self.host, self.port, self.incarnation, self.backend, transports)
+
+    def transport_bytes(self) -> bytes:
+        """The transports, canonically encoded: what the authenticated hello's proofs cover."""
+        return _encoder.encode(self.transports)
 
 
 class RegionRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +152,8 @@ class RegionRecord(msgspec.Struct, frozen=True, kw_only=True):
     length: Annotated[int, msgspec.Meta(ge=1)]
     rkey: U32
     access: U32
+    rkeys: Annotated[dict[BackendName, U32], msgspec.Meta(max_length=MAX_TRANSPORTS)] = {}
+    """The rkey on each backend, when the owner has several open."""
 
     def __post_init__(self) -> None:
         _check_u64(incarnation=self.incarnation, addr=self.addr, length=self.length)
@@ -140,11 +168,23 @@ class RegionRecord(msgspec.Struct, frozen=True, kw_only=True):
             length=desc.length,
             rkey=desc.rkey,
             access=int(desc.access),
+            rkeys=dict(desc.rkeys),
         )
 
     def desc(self) -> MemoryDesc:
         access = Access(self.access & int(Access.all()))
-        return MemoryDesc(self.engine_key, self.incarnation, self.name, self.addr, self.length, self.rkey, access)
+        rkeys = tuple(self.rkeys.items())
+        return MemoryDesc(
+            self.engine_key, self.incarnation, self.name, self.addr, self.length, self.rkey, access, rkeys
+        )
+
+
+def proven_transports(dialer: EngineRecord, listener: EngineRecord) -> bytes:
+    """What the authenticated hello's proofs say about transports (``core.auth.Transcript.transports``):
+    both ends' lists as each sent them; empty when neither sent any (an older peer)."""
+    if not dialer.transports and not listener.transports:
+        return b""
+    return dialer.transport_bytes() + b"\n" + listener.transport_bytes()
 
 
 Regions = Annotated[list[RegionRecord], msgspec.Meta(max_length=MAX_REGIONS)]
@@ -177,6 +217,8 @@ class ConnectQp(_Message, frozen=True, kw_only=True, tag="connect_qp"):
     incarnation: U64
     """The incarnation the asker's remote descriptors belong to: a restarted engine refuses."""
     endpoint: Endpoint
+    transport: Annotated[str, msgspec.Meta(max_length=16)] = ""
+    """The backend to open the answering pair on (one the target advertised); empty: its preferred one."""
 
     def __post_init__(self) -> None:
         _check_u64(incarnation=self.incarnation)

@@ -106,6 +106,9 @@ class PeerBook:
         peer = self._peers.get(desc.key)
         if peer is not None and peer.desc.incarnation == desc.incarnation:
             self._peers.move_to_end(desc.key)
+            if desc.transports and desc.transports != peer.desc.transports:
+                # What it says in its hello is what it has open (a descriptor packed elsewhere may not say).
+                peer.desc = desc
             if not from_peer:
                 peer.forgotten = False
             return peer

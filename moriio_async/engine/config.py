@@ -23,7 +23,11 @@ class IOEngineConfig:
     port: int = 0
     """Control-plane port; 0 picks a free one (see ``IOEngine.address``)."""
     backend: str = "tcp"
-    """"tcp", "verbs", "cma" (peers on this host), "mock", or "auto" (verbs when a device works, else tcp)."""
+    """"tcp", "verbs", "cma" (peers on this host), "mock": that backend alone; or "auto": every one of cma,
+    verbs and tcp this host can open, each session using the best one its peer shares (cma on the same
+    host, then verbs, then tcp)."""
+    backends: tuple[str, ...] = ()
+    """Several backends in this order of preference (overrides ``backend``); each must open."""
     transfer_timeout: float = 30.0
     """Default deadline of ``waiting_for_transfer_complete`` (vLLM's transfer_timeout)."""
     control_timeout: float = 10.0
@@ -99,6 +103,12 @@ class IOEngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be >= 1")
+        if isinstance(self.backends, str) or not all(isinstance(b, str) for b in self.backends):
+            raise InvalidArgument("IOEngineConfig.backends must be a sequence of backend names")
+        object.__setattr__(self, "backends", tuple(self.backends))  # frozen: a list given is kept as a tuple
+        known = {"tcp", "verbs", "cma", "mock"}
+        if len(set(self.backends)) != len(self.backends) or not set(self.backends) <= known:
+            raise InvalidArgument(f"IOEngineConfig.backends must name distinct backends of {sorted(known)}")
         if not 0 <= self.port <= 0xFFFF:
             raise InvalidArgument("IOEngineConfig.port must be within 0..65535")
         if self.max_key > MAX_KEY:
@@ -113,6 +123,12 @@ class IOEngineConfig:
         if self.secret is not None and len(self.secret) == 0:
             return None
         return load_secret(self.secret)
+
+    def transport_names(self) -> tuple[str, ...]:
+        """The backends to open, best first."""
+        if self.backends:
+            return self.backends
+        return ("cma", "verbs", "tcp") if self.backend == "auto" else (self.backend,)
 
     def backend_options(self) -> BackendOptions:
         return BackendOptions(

@@ -23,7 +23,6 @@ from typing import Any, final
 
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
-from ..backends import open_backend
 from ..backends.base import Backend
 from ..core.protocol import MAX_KEY
 from ..descriptors import EngineDesc, MemoryDesc, new_incarnation
@@ -38,6 +37,7 @@ from .inbox import Inbox, Notification
 from .memory import LocalRegion, MemoryRegistry
 from .running import Running, log_trust
 from .session import Session
+from .transports import open_backends
 from .uids import TransferUids, check_uid
 
 __all__ = ["IOEngine"]
@@ -65,7 +65,9 @@ class IOEngine:
         self.closed = True
         self._started = False
         self._backend: Backend | None = None
-        """The open backend (``cli/faults.py`` installs its hooks here until they move to ``backend_extra``)."""
+        """The first open backend (``cli/faults.py`` installs its hooks here until they move to ``backend_extra``)."""
+        self._backends: list[Backend] = []
+        """Every open backend, best first."""
         self._running: Running | None = None
         """The collaborators of the current (or last) run; kept after close for ``statistics``."""
         self._memory = MemoryRegistry(key, self.incarnation)
@@ -89,14 +91,13 @@ class IOEngine:
             self._inbox = self._new_inbox()
         cfg = self.config
         # Opening a device can take a while (verbs); keep the loop free meanwhile.
-        backend = self._backend = await self.loop.run_in_executor(
-            None, open_backend, cfg.backend, cfg.backend_options()
-        )
+        backends = self._backends = await self.loop.run_in_executor(None, open_backends, cfg)
+        self._backend = backends[0]
         self._running = None
         try:
             self._running = Running.open(
                 self.loop,
-                backend,
+                backends,
                 key=self.key,
                 incarnation=self.incarnation,
                 config=cfg,
@@ -114,7 +115,10 @@ class IOEngine:
             self._started = False
             raise
         self.closed = False
-        log.info("engine %s listening on %s (backend %s)", self.key, self.address, backend.name)
+        log.info(
+            "engine %s listening on %s (%s %s)", self.key, self.address,
+            "transports" if len(backends) > 1 else "backend", ", ".join(b.name for b in backends),
+        )  # fmt: skip
         log_trust(self.key, self.address, authenticated=self._secret is not None, loopback_only=peers.loopback_only)
         return self
 
@@ -143,13 +147,14 @@ class IOEngine:
         await self._teardown()
 
     async def _teardown(self) -> None:
-        running, backend = self._running, self._backend
+        running, backends = self._running, self._backends
         self._backend = None
+        self._backends = []
         if running is not None:
             await running.stop()
         self._inbox.close()
         self._inbound.fail_waiters(EngineClosed(f"engine {self.key!r} closed: no more inbound statuses"))
-        if backend is not None:
+        for backend in backends:
             await asyncio.get_running_loop().run_in_executor(None, backend.close)
 
     def _require_open(self) -> Running:
@@ -166,7 +171,13 @@ class IOEngine:
 
     @property
     def backend_name(self) -> str:
+        """The first (preferred) backend's name."""
         return self._require_open().backend.name
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """Every open backend, best first: a session uses the first its peer shares (see ``Session.transport``)."""
+        return self._require_open().transports.names
 
     def get_engine_desc(self) -> EngineDesc:
         """This engine as peers see it (``pack()`` it for MoRI-IO's explicit style)."""
@@ -186,11 +197,11 @@ class IOEngine:
         exports an unnamed one (whose descriptor you hand to peers yourself), ``export=False`` keeps a
         named one local. See ``export_memory`` and README "Security".
         """
-        return self._memory.register(self._require_open().backend, buffer, name, access, export)
+        return self._memory.register(self._require_open().backends, buffer, name, access, export)
 
     def export_memory(self, desc: MemoryDesc) -> MemoryDesc:
         """Make a registered region reachable by peers (before packing its descriptor for one); ``desc``."""
-        self._memory.export(self._require_open().backend, desc)
+        self._memory.export(self._require_open().backends, desc)
         return desc
 
     def allocate_memory(
@@ -206,14 +217,14 @@ class IOEngine:
 
     def deregister_memory(self, desc: MemoryDesc) -> None:
         """Deregister now; ``MemoryInUse`` if transfers on it are in flight (see ``release_memory``)."""
-        self._memory.deregister_unused(desc, self._backend)
+        self._memory.deregister_unused(desc, self._backends or None)
 
     async def release_memory(self, desc: MemoryDesc, timeout: float | None = None) -> None:
         """Deregister once no transfer uses the region (``TimeoutError`` leaves it registered)."""
         region = self._memory.lookup(desc)
         async with asyncio.timeout(timeout):
             await region.wait_unpinned()
-        self._memory.deregister(region, self._backend)
+        self._memory.deregister(region, self._backends or None)
 
     def pins(self, desc: MemoryDesc) -> int:
         """How many transfers still use a registered region (what ``release_memory`` waits for)."""
@@ -338,6 +349,8 @@ class IOEngine:
         return {
             "key": self.key,
             "incarnation": self.incarnation,
+            "transports": list(running.transports.names) if running is not None else [],
+            "peer_transports": running.peers.chosen_transports() if running is not None else {},
             "sessions": len(self._sessions),
             "regions": len(self._memory),
             "outstanding": router.outstanding if router is not None else 0,

@@ -7,7 +7,9 @@ memory; the dialer checks that proof, then sends its own; the listener checks
 it, and only then is the link bound to the dialer's key and ``welcome``
 sent with the exported memory. Either side that cannot verify the other
 refuses with reason ``auth`` and closes. A secret on one side only is refused
-the same way, with a message that says so. Without a secret on either side,
+the same way, with a message that says so. The proofs also cover both
+ends' transports (the backends each advertises in its engine record), so a
+session's choice of backend cannot be steered by anyone between them. Without a secret on either side,
 ``hello`` is answered by ``welcome`` directly.
 
 Nothing here changes the engine's state: the listener side returns who
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from ..aio.control import ControlLink
 from ..core.auth import NONCE_BYTES, SECRET_ENV, Transcript, new_nonce
-from ..core.protocol import Challenge, EngineRecord, Hello, Proof, Refused, Welcome
+from ..core.protocol import Challenge, EngineRecord, Hello, Proof, Refused, Welcome, proven_transports
 from ..descriptors import EngineDesc
 from ..errors import AuthenticationError, ControlPlaneError
 
@@ -72,8 +74,9 @@ class Handshake:
         challenge = await link.request(Hello(engine=record, auth=True, nonce=nonce), Challenge)
         listener = challenge.engine
         transcript = Transcript(
-            local.key, local.incarnation, nonce, listener.key, listener.incarnation, challenge.nonce
-        )
+            local.key, local.incarnation, nonce, listener.key, listener.incarnation, challenge.nonce,
+            proven_transports(record, listener),
+        )  # fmt: skip
         if len(challenge.nonce) != NONCE_BYTES or not transcript.verify(secret, "listener", challenge.proof):
             await link.refuse("auth", f"engine {local.key!r} could not verify your proof: the secrets differ")
             raise AuthenticationError(
@@ -111,11 +114,13 @@ class Handshake:
         if len(first.nonce) != NONCE_BYTES:
             raise HelloRefused("auth", f"the hello's nonce must have {NONCE_BYTES} bytes", first.id, key=key, auth=True)
         listener_nonce = new_nonce()
+        record = EngineRecord.of(local)
         transcript = Transcript(
-            key, first.engine.incarnation, first.nonce, local.key, local.incarnation, listener_nonce
-        )
+            key, first.engine.incarnation, first.nonce, local.key, local.incarnation, listener_nonce,
+            proven_transports(first.engine, record),
+        )  # fmt: skip
         proof = transcript.proof(secret, "listener")
-        await link.send(Challenge(re=first.id, engine=EngineRecord.of(local), nonce=listener_nonce, proof=proof))
+        await link.send(Challenge(re=first.id, engine=record, nonce=listener_nonce, proof=proof))
         second = await link.read_message(idle_ok=False)
         if second is None or isinstance(second, Refused):
             why = second.message if second is not None else "it closed the connection before proving"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..backends.base import Backend, MemoryRegion
@@ -10,7 +11,14 @@ from ..descriptors import MemoryDesc
 from ..errors import InvalidArgument, MemoryInUse
 from ..status import Access
 
-__all__ = ["LocalRegion", "MemoryRegistry", "as_region_view"]
+__all__ = ["Backends", "LocalRegion", "MemoryRegistry", "as_region_view"]
+
+Backends = Backend | Sequence[Backend]
+"""The engine's open backends, best first (or its one backend): every region is registered on each."""
+
+
+def _all(backends: Backends) -> Sequence[Backend]:
+    return backends if isinstance(backends, Sequence) else (backends,)
 
 
 def as_region_view(buffer: object) -> memoryview:
@@ -33,15 +41,26 @@ def as_region_view(buffer: object) -> memoryview:
 
 @dataclass(eq=False, slots=True)
 class LocalRegion:
-    """One registration: its descriptor, the backend's region, and how many transfers use it."""
+    """One registration: its descriptor, the backends' regions, and how many transfers use it."""
 
     desc: MemoryDesc
     mr: MemoryRegion
+    """On the engine's first backend."""
     pins: int = 0
     live: bool = True
     exported: bool = False
     """Reachable by peers (``Backend.export_memory`` was called for it)."""
+    more: tuple[MemoryRegion, ...] = ()
+    """On the engine's other backends, in its order."""
     _idle: list[asyncio.Future[None]] = field(default_factory=list)
+
+    def mr_for(self, tag: int) -> MemoryRegion:
+        """The region on the engine's ``tag``-th backend (0: the first)."""
+        return self.mr if tag == 0 else self.more[tag - 1]
+
+    @property
+    def mrs(self) -> tuple[MemoryRegion, ...]:
+        return (self.mr, *self.more)
 
     def pin(self) -> None:
         if not self.live:
@@ -85,20 +104,30 @@ class MemoryRegistry:
         return self._count
 
     def register(
-        self, backend: Backend, buffer: object, name: str, access: Access | None, export: bool | None = None
+        self, backends: Backends, buffer: object, name: str, access: Access | None, export: bool | None = None
     ) -> MemoryDesc:
-        """Register ``buffer``; exported to peers (``Backend.export_memory``) when ``export``, which
-        defaults to having a ``name``."""
+        """Register ``buffer`` on every backend; exported to peers (``Backend.export_memory``) when
+        ``export``, which defaults to having a ``name``."""
         view = as_region_view(buffer)
         if name and any(desc.name == name for desc in self._regions):
             raise InvalidArgument(f"a region named {name!r} is already registered")
         access = Access.all() if access is None else Access(access)
-        mr = backend.register_memory(view, access)
         exported = bool(name) if export is None else export
-        if exported:
-            backend.export_memory(mr)
-        desc = MemoryDesc(self._key, self._incarnation, name, mr.addr, mr.length, mr.rkey, access)
-        self._regions.setdefault(desc, []).append(LocalRegion(desc, mr, exported=exported))
+        mrs: list[tuple[Backend, MemoryRegion]] = []
+        try:
+            for backend in _all(backends):
+                mrs.append((backend, backend.register_memory(view, access)))
+                if exported:
+                    backend.export_memory(mrs[-1][1])
+        except BaseException:
+            for backend, done in mrs:
+                backend.deregister_memory(done)
+            raise
+        mr = mrs[0][1]
+        rkeys = tuple((b.name, r.rkey) for b, r in mrs) if len(mrs) > 1 else ()
+        desc = MemoryDesc(self._key, self._incarnation, name, mr.addr, mr.length, mr.rkey, access, rkeys)
+        more = tuple(r for _, r in mrs[1:])
+        self._regions.setdefault(desc, []).append(LocalRegion(desc, mr, exported=exported, more=more))
         self._count += 1
         return desc
 
@@ -109,7 +138,7 @@ class MemoryRegistry:
             raise InvalidArgument(f"{desc.name or 'region'} is not a live registration of engine {self._key!r}")
         return regions[0] if len(regions) == 1 else min(regions, key=lambda r: r.pins)
 
-    def deregister(self, region: LocalRegion, backend: Backend | None) -> None:
+    def deregister(self, region: LocalRegion, backends: Backends | None) -> None:
         """Drop ``region``; a second call for the same one (a racing ``release_memory``) does nothing."""
         if not region.live:
             return
@@ -119,10 +148,11 @@ class MemoryRegistry:
         if not regions:
             del self._regions[region.desc]
         self._count -= 1
-        if backend is not None:
-            backend.deregister_memory(region.mr)
+        if backends is not None:
+            for backend, mr in zip(_all(backends), region.mrs, strict=True):
+                backend.deregister_memory(mr)
 
-    def deregister_unused(self, desc: MemoryDesc, backend: Backend | None) -> None:
+    def deregister_unused(self, desc: MemoryDesc, backends: Backends | None) -> None:
         """Drop the region ``desc`` names now; ``MemoryInUse`` while transfers pin it."""
         region = self.lookup(desc)
         if region.pins:
@@ -130,15 +160,16 @@ class MemoryRegistry:
                 f"{region.pins} transfer(s) still use region {desc.name or hex(desc.addr)}",
                 hint="await engine.release_memory(desc) to deregister once they end, or abort their sessions first",
             )
-        self.deregister(region, backend)
+        self.deregister(region, backends)
 
-    def export(self, backend: Backend, desc: MemoryDesc) -> None:
+    def export(self, backends: Backends, desc: MemoryDesc) -> None:
         """Make every live registration ``desc`` describes reachable by peers."""
         regions = self._regions.get(desc)
         if not regions:
             raise InvalidArgument(f"{desc.name or 'region'} is not a live registration of engine {self._key!r}")
         for region in regions:
-            backend.export_memory(region.mr)
+            for backend, mr in zip(_all(backends), region.mrs, strict=True):
+                backend.export_memory(mr)
             region.exported = True
 
     def exported(self) -> list[MemoryDesc]:

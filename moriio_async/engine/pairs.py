@@ -23,11 +23,12 @@ import concurrent.futures
 from dataclasses import dataclass
 
 from ..aio.control import ControlLink
-from ..backends.base import Backend, CompletionQueue, Endpoint, QueuePair
+from ..backends.base import Endpoint, QueuePair
 from ..core.protocol import CloseQp, ConnectQp, QpReady
 from ..descriptors import EngineDesc, MemoryDesc
-from ..errors import ControlPlaneError, EngineClosed, StalePeer
+from ..errors import BackendUnavailable, ControlPlaneError, EngineClosed, StalePeer
 from .links import LinkRegistry, close_quietly
+from .transports import PeerChoices, Transport, Transports
 
 __all__ = ["ANSWER_WORKERS", "OPEN_WORKERS", "Opened", "PairBroker"]
 
@@ -48,16 +49,18 @@ class Opened:
     """The peer's answering pair, as ``close_qp`` names it."""
     link: ControlLink
     """The link it was asked for over: the peer closes its answering half when that link closes."""
+    transport: str
 
 
 class PairBroker:
     """Opens session pairs over a link, answers peers' ``connect_qp``, and keeps the books of both."""
 
-    def __init__(self, key: str, incarnation: int, *, backend: Backend, cq: CompletionQueue, links: LinkRegistry):
+    def __init__(self, key: str, incarnation: int, *, transports: Transports, links: LinkRegistry, max_peers: int):
         self._key = key
         self._incarnation = incarnation
-        self._backend = backend
-        self._cq = cq
+        self._transports = transports
+        self.choices = PeerChoices(key, transports, capacity=max_peers)
+        """Which transport each peer's sessions use."""
         self._links = links
         self._opened: dict[int, Opened] = {}
         self._open_pool = concurrent.futures.ThreadPoolExecutor(OPEN_WORKERS, thread_name_prefix="moriio-qp-open")
@@ -72,12 +75,32 @@ class PairBroker:
         """Peers this engine's sessions hold pairs to (never pruned from the peer table)."""
         return {o.key for o in self._opened.values()}
 
-    async def open(self, link: ControlLink, peer: EngineDesc, remote: MemoryDesc) -> QueuePair:
-        """A connected pair to ``peer`` (its region ``remote``), its answering half asked for over ``link``."""
-        qp = self._backend.create_qp(self._cq)
+    async def open(
+        self, link: ControlLink, peer: EngineDesc, remote: MemoryDesc, transport: str | None = None
+    ) -> QueuePair:
+        """A connected pair to ``peer`` (its region ``remote``), its answering half asked for over ``link``;
+        over ``transport``, or the best one both ends share, demoted once if the kernel refuses it."""
+        if transport is not None:
+            pinned = self._transports.get(transport)
+            if pinned is None:
+                raise BackendUnavailable(f"engine {self._key!r} has no {transport} backend open")
+            return await self._open_on(pinned, link, peer, remote)
+        while True:
+            chosen = self.choices.choose(peer)
+            try:
+                return await self._open_on(chosen, link, peer, remote)
+            except BackendUnavailable as exc:  # the probe: the kernel refuses cma to this peer
+                if not self.choices.refuse(peer, chosen, exc):
+                    raise
+
+    async def _open_on(
+        self, transport: Transport, link: ControlLink, peer: EngineDesc, remote: MemoryDesc
+    ) -> QueuePair:
+        qp = self._transports.create_qp(transport)
         try:
             qp.bind_session(self._links.session_key_of(link), answering=False)
-            ready = await link.request(ConnectQp(incarnation=remote.incarnation, endpoint=dict(qp.endpoint())), QpReady)
+            ask = ConnectQp(incarnation=remote.incarnation, endpoint=dict(qp.endpoint()), transport=transport.name)
+            ready = await link.request(ask, QpReady)
         except BaseException:
             close_quietly(qp)
             raise
@@ -86,7 +109,7 @@ class PairBroker:
         except BaseException:
             link.post(CloseQp(qp=ready.qp))  # the answering pair waits for a pair that will never come
             raise
-        self._opened[qp.qp_num] = Opened(qp, peer.key, peer.incarnation, ready.qp, link)
+        self._opened[qp.qp_num] = Opened(qp, peer.key, peer.incarnation, ready.qp, link, transport.name)
         self._links.note_opened(link, qp.qp_num)
         return qp
 
@@ -111,6 +134,9 @@ class PairBroker:
                 f"engine {self._key!r} is incarnation {self._incarnation:#x}, "
                 f"not {request.incarnation:#x}: it restarted"
             )
+        transport = self._transports.get(request.transport)
+        if transport is None:
+            raise ControlPlaneError(f"engine {self._key!r} has no {request.transport} transport (see its hello)")
         lock = self._links.connect_lock(link)
         if lock is None:
             raise ControlPlaneError("the link closed before its answering queue pair was opened")
@@ -118,7 +144,7 @@ class PairBroker:
             limit = self._links.limits.max_answering_per_link
             raise ControlPlaneError(f"at most {limit} answering queue pairs per link (max_answering_qps_per_link)")
         try:
-            qp = self._backend.create_qp(self._cq)
+            qp = self._transports.create_qp(transport)
             try:
                 qp.bind_session(self._links.session_key_of(link), answering=True)
                 async with asyncio.timeout(self._links.limits.timeout):

@@ -20,7 +20,7 @@ import logging
 
 from ..aio.control import ControlLink
 from ..aio.listener import Listener
-from ..backends.base import Backend, CompletionQueue, QueuePair
+from ..backends.base import QueuePair
 from ..core.framing import FrameError
 from ..core.protocol import (
     CloseQp,
@@ -48,6 +48,7 @@ from .inbox import Inbox, Notification
 from .links import LinkLimits, LinkRegistry
 from .memory import MemoryRegistry
 from .pairs import PairBroker
+from .transports import Transport, Transports
 
 __all__ = ["DONE_BACKLOG", "PeerTable"]
 
@@ -66,8 +67,7 @@ class PeerTable:
         key: str,
         incarnation: int,
         *,
-        backend: Backend,
-        cq: CompletionQueue,
+        transports: Transports,
         memory: MemoryRegistry,
         inbox: Inbox,
         inbound: InboundStatuses,
@@ -78,14 +78,14 @@ class PeerTable:
     ) -> None:
         self.key = key
         self.incarnation = incarnation
-        self._backend = backend
+        self._transports = transports
         self._memory = memory
         self._inbox = inbox
         self._handshake = handshake
         self._guard = guard
         self._inbound = inbound
         self._links = LinkRegistry(limits)
-        self._pairs = PairBroker(key, incarnation, backend=backend, cq=cq, links=self._links)
+        self._pairs = PairBroker(key, incarnation, transports=transports, links=self._links, max_peers=max_peers)
         self._peers = PeerBook(
             self._links, inbound, busy=self._pairs.peer_keys, authenticates=handshake.authenticates,
             max_peers=max_peers,
@@ -103,7 +103,8 @@ class PeerTable:
     async def listen(self, host: str, port: int) -> EngineDesc:
         """Start the control-plane listener and the idle sweep; this engine's descriptor, with its port."""
         bound = await self._listener.start(host, port)
-        self._local = EngineDesc(self.key, host, bound, self.incarnation, self._backend.name)
+        t = self._transports
+        self._local = EngineDesc(self.key, host, bound, self.incarnation, t.primary.name, t.descs())
         self._sweeper = asyncio.get_running_loop().create_task(self._links.sweep(self._guard.idle))
         return self._local
 
@@ -162,15 +163,24 @@ class PeerTable:
         _, link = await self._link_for(key)
         await link.send(Notify(data=bytes(data)))
 
-    async def open_qp(self, remote: MemoryDesc) -> QueuePair:
-        """A connected queue pair to the engine owning ``remote``; ``StalePeer`` if it restarted."""
+    async def open_qp(self, remote: MemoryDesc, transport: str | None = None) -> QueuePair:
+        """A connected queue pair to the engine owning ``remote``, over ``transport`` or the best one
+        both ends share (``transports``); ``StalePeer`` if it restarted."""
         peer, link = await self._link_for(remote.engine_key)
         if peer.desc.incarnation != remote.incarnation:
             raise StalePeer(
                 f"peer {remote.engine_key!r} is now incarnation {peer.desc.incarnation:#x}; "
                 f"the region belongs to {remote.incarnation:#x}"
             )
-        return await self._pairs.open(link, peer.desc, remote)
+        return await self._pairs.open(link, peer.desc, remote, transport)
+
+    def transport_of(self, qp: QueuePair) -> Transport:
+        """The transport (backend) a pair ``open_qp`` gave runs on."""
+        return self._transports.of(qp)
+
+    def chosen_transports(self) -> dict[str, str]:
+        """Peer key -> the transport its new sessions use."""
+        return self._pairs.choices.chosen()
 
     def close_qp(self, qp: QueuePair) -> None:
         """Close a pair ``open_qp`` gave, and tell the peer to close its answering pair (no wait)."""

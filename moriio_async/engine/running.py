@@ -1,6 +1,6 @@
-"""What an engine has between ``start`` and ``close``: its backend and the collaborators built on it.
+"""What an engine has between ``start`` and ``close``: its backends and the collaborators built on them.
 
-``Running.open`` builds them in order (completion queue, router, peer table)
+``Running.open`` builds them in order (completion queues, router, peer table)
 and ``Running.stop`` takes them down in the reverse order, once. The engine
 facade owns one ``Running`` at a time and hands its parts down to sessions.
 """
@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import final
 
-from ..aio.router import CompletionRouter
-from ..backends.base import Backend, CompletionQueue
+from ..aio.router import TAG_SHIFT, CompletionRouter
+from ..backends.base import Backend
 from ..core.auth import SECRET_ENV
 from .config import IOEngineConfig
 from .guard import Guard
@@ -24,6 +24,7 @@ from .inbox import Inbox
 from .links import LinkLimits
 from .memory import MemoryRegistry
 from .peers import PeerTable
+from .transports import Transports
 
 __all__ = ["Running", "log_trust"]
 
@@ -32,13 +33,15 @@ log = logging.getLogger("moriio_async")
 
 @final
 class Running:
-    """The backend, its completion queue, the completion router and the peer table of a started engine."""
+    """The backends with their completion queues, the completion router and the peer table of a started engine."""
 
-    __slots__ = ("backend", "cq", "peers", "router", "stopped")
+    __slots__ = ("backend", "backends", "peers", "router", "stopped", "transports")
 
-    def __init__(self, backend: Backend, cq: CompletionQueue, router: CompletionRouter, peers: PeerTable) -> None:
-        self.backend = backend
-        self.cq = cq
+    def __init__(self, transports: Transports, router: CompletionRouter, peers: PeerTable) -> None:
+        self.transports = transports
+        self.backend = transports.primary.backend
+        """The first (preferred) backend: the one for ``allocate_memory`` and ``describe_backend``."""
+        self.backends = [t.backend for t in transports]
         self.router = router
         self.peers = peers
         self.stopped = False
@@ -47,7 +50,7 @@ class Running:
     def open(
         cls,
         loop: asyncio.AbstractEventLoop,
-        backend: Backend,
+        backends: list[Backend],
         *,
         key: str,
         incarnation: int,
@@ -58,15 +61,16 @@ class Running:
         handshake: Handshake,
         guard: Guard,
     ) -> Running:
-        """Build the collaborators on an open backend; on failure nothing built is left open."""
-        cq = backend.create_cq(max(1024, config.sq_depth * 8))
+        """Build the collaborators on open backends (best first); on failure nothing built is left open."""
+        transports = Transports(backends, max(1024, config.sq_depth * 8))
         try:
-            router = CompletionRouter(loop, cq)
+            router = CompletionRouter(loop, transports.primary.cq)
+            for t in list(transports)[1:]:
+                router.add_queue(t.cq)
             peers = PeerTable(
                 key,
                 incarnation,
-                backend=backend,
-                cq=cq,
+                transports=transports,
                 memory=memory,
                 inbox=inbox,
                 inbound=inbound,
@@ -83,11 +87,12 @@ class Running:
                 max_peers=config.max_peers,
             )
         except BaseException:
-            cq.close()
+            transports.close_queues()
             raise
         # Refusals the NIC threads see are counted and logged per peer on the loop.
-        backend.watch_access_errors(_on_loop(loop, peers.access_error))
-        return cls(backend, cq, router, peers)
+        for t in transports:
+            t.backend.watch_access_errors(_on_loop(loop, peers.access_error, t.tag))
+        return cls(transports, router, peers)
 
     async def stop(self) -> None:
         """Links and listener, then the completion path, then the queue (once)."""
@@ -96,7 +101,7 @@ class Running:
         self.stopped = True
         await self.peers.close()
         self.router.close()
-        self.cq.close()
+        self.transports.close_queues()
 
 
 def log_trust(key: str, address: str, *, authenticated: bool, loopback_only: bool) -> None:
@@ -120,11 +125,12 @@ def log_trust(key: str, address: str, *, authenticated: bool, loopback_only: boo
         )
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int, str], None]) -> Callable[[int, str], None]:
-    """``fn`` called on ``loop`` from a NIC thread (dropped once the loop closed)."""
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int, str], None], tag: int) -> Callable[[int, str], None]:
+    """``fn`` called on ``loop`` from a NIC thread (dropped once the loop closed), with the pair
+    numbered as the engine numbers the ``tag``-th backend's pairs."""
 
     def call(qp_num: int, detail: str) -> None:
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(fn, qp_num, detail)
+            loop.call_soon_threadsafe(fn, tag << TAG_SHIFT | qp_num, detail)
 
     return call

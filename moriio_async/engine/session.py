@@ -70,6 +70,11 @@ class Session:
         self._local = local
         self.remote = remote
         self.channel = QpChannel(qp, on_failed_idle=self._on_failed_idle, on_post=router.kick)
+        transport = peers.transport_of(qp)
+        self.transport = transport.name
+        """The backend this session's pair runs on ("cma", "verbs", "tcp", "mock"): for its whole life."""
+        self._mr = local.mr_for(transport.tag)
+        self._rkey = remote.rkey_for(transport.name)
         self.closed = False
         self.stale = False
         self._reconnect_task: asyncio.Task[None] | None = None
@@ -100,7 +105,10 @@ class Session:
         return self.remote.engine_key
 
     def __repr__(self) -> str:
-        return f"<Session {self.local.name or 'local'} -> {self.peer}/{self.remote.name} {self.channel.state}>"
+        return (
+            f"<Session {self.local.name or 'local'} -> {self.peer}/{self.remote.name} over {self.transport} "
+            f"{self.channel.state}>"
+        )
 
     # -- MoRI-IO's transfer calls -------------------------------------------------------------
 
@@ -170,9 +178,9 @@ class Session:
         if uid is not None:
             uid = self._uids.claim(uid)  # the last check: a refused uid posts nothing
         transfer = self._new_transfer(opcode, (lo,), (ro,), (sz,), uid)
-        mr = self._local.mr
+        mr = self._mr
         job = Job.single(
-            transfer, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro, rkey=remote.rkey,
+            transfer, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro, rkey=self._rkey,
             size=sz,
         )  # fmt: skip
         return self._post(transfer, job)
@@ -188,9 +196,9 @@ class Session:
         if uid is not None:
             uid = self._uids.claim(uid)
         transfer = self._new_transfer(opcode, lo_a, ro_a, sz_a, uid)
-        mr = self._local.mr
+        mr = self._mr
         job = Job(
-            transfer, the_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr, rkey=remote.rkey
+            transfer, the_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr, rkey=self._rkey
         )
         return self._post(transfer, job)
 
@@ -237,7 +245,7 @@ class Session:
     async def _reconnect(self) -> None:
         old = self.channel.qp
         try:
-            qp = await self._peers.open_qp(self.remote)
+            qp = await self._peers.open_qp(self.remote, self.transport)  # queued requests name its keys
         except StalePeer as exc:
             self.stale = True
             self._fail_waiting(StatusCode.ERR_BAD_STATE, f"{self._stale_message()}: {exc}", _STALE_HINT)
@@ -255,7 +263,7 @@ class Session:
                 self._peers.close_qp(old)
                 self.channel.replace_qp(qp)
                 self._router.attach(self.channel)
-                log.info("session to %s reconnected on a new queue pair %d", self.peer, qp.qp_num)
+                log.info("session to %s reconnected on a new %s queue pair %d", self.peer, self.transport, qp.qp_num)
         finally:
             self._reconnect_task = None
         if self.channel.state == ChannelState.FAILED and self.channel.waiting and not self.closed:
@@ -312,6 +320,7 @@ class Session:
         ch = self.channel
         return {
             "state": ch.state,
+            "transport": self.transport,
             "qp_num": ch.qp_num,
             "in_flight": ch.in_flight,
             "waiting": ch.waiting,

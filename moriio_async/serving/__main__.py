@@ -33,7 +33,11 @@ def _instance_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], r
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="HTTP port (0: any free one; printed on stdout)")
     p.add_argument("--engine-port", type=int, default=0)
-    p.add_argument("--backend", default="tcp", help="tcp, verbs or auto")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="auto (cma when instances share the host, else verbs, else tcp), tcp, verbs or cma",
+    )
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks in the pool (0: 4 max-length sequences)")
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (set by the launcher)")
     add_model_args(p)

@@ -27,7 +27,8 @@ class InstanceSettings:
     role: Role
     model: ModelConfig
     num_blocks: int
-    backend: str = "tcp"
+    backend: str = "auto"
+    """Each session uses the best transport both instances share: cma on one host, else verbs, else tcp."""
     host: str = "127.0.0.1"
     engine_port: int = 0
     transfer_timeout: float = 30.0

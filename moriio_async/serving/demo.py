@@ -49,7 +49,11 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--mode", choices=["read", "write", "both"], default="both", help="vLLM MoRIIO's read_mode")
-    p.add_argument("--backend", default="tcp", help="tcp, verbs or auto")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="auto (cma when instances share the host, else verbs, else tcp), tcp, verbs or cma",
+    )
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -188,6 +192,10 @@ class Demo:
         if a.kill_prefill and report.kill is not None:
             await self.after_restart(proxy, prompts, report)
         report.leaks = await self.blocks_in_use()
+        for c in self.prefills + self.decodes:
+            h = await self.health(c)
+            if h is not None:
+                report.transports.add(h["backend"])
         await self.launcher.stop(proxy)
         return report
 

@@ -122,7 +122,10 @@ class Instance:
 
     @property
     def backend(self) -> str:
-        return self.engine.backend_name
+        """The transports its sessions use ("cma", or "cma+tcp" with peers on other hosts), once it has
+        any; before, the engine's preferred backend."""
+        used = sorted(set(self.engine.statistics()["peer_transports"].values()))
+        return "+".join(used) if used else self.engine.backend_name
 
     def engine_ref(self) -> EngineRef:
         return EngineRef(self.settings.name, self.engine.address, self.engine.incarnation)

@@ -39,6 +39,8 @@ class ModeReport:
     failed: int = 0
     hung: int = 0
     problems: list[str] = field(default_factory=list)
+    transports: set[str] = field(default_factory=set)
+    """What the instances' sessions moved KV over (their health's ``backend``) at the end of the run."""
 
     @property
     def passed(self) -> bool:
@@ -111,6 +113,7 @@ class ModeReport:
             + ("" if not self.mismatched else f"  ({self.mismatched} MISMATCHED)"),
             "tokens generated": str(sum(len(r.text) for r in ok)),
             "KV bytes moved": _bytes(kv_bytes),
+            "KV transport": ", ".join(sorted(self.transports)) or "-",
             "transfer GB/s (while in flight)": f"{kv_bytes / busy / 1e9:.2f}" if busy else "-",
             "TTFT p50 / p99 (ms)": f"{percentile(ttft, 0.5) * 1e3:.1f} / {percentile(ttft, 0.99) * 1e3:.1f}",
             "inter-token p50 / p99 (ms)": f"{percentile(gaps, 0.5) * 1e3:.2f} / {percentile(gaps, 0.99) * 1e3:.2f}",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moriio_async import InvalidArgument
+from moriio_async import IOEngineConfig as AsyncConfig
 from moriio_async.compat.mori import (
     BackendType,
     EngineDesc,
@@ -250,3 +251,23 @@ def test_mori_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_tcp_only_peer_reaches_a_multi_transport_engine_with_its_packed_descriptor() -> None:
+    """The owner opens cma then tcp (its descriptor's ``rkey`` is cma's); a peer with tcp alone, given
+    the packed descriptor, must name the tcp rkey (``rkeys``) or every request is refused."""
+    owner = IOEngine("multi-owner", IOEngineConfig(host="127.0.0.1", port=0, options=options("auto")))
+    peer = IOEngine("tcp-peer", IOEngineConfig(host="127.0.0.1", port=0, options=AsyncConfig(backends=("tcp",))))
+    try:
+        for engine in (owner, peer):
+            engine.create_backend(BackendType.TCP)
+        peer.register_remote_engine(EngineDesc.unpack(owner.get_engine_desc().pack()))
+        x, mx = register(owner, 64 << 10)
+        y, my = register(peer, 64 << 10, fill=0)
+        assert dict(mx.rkeys).keys() == {"cma", "tcp"} and mx.rkey == dict(mx.rkeys)["cma"]
+        st = peer.read(my, 0, MemoryDesc.unpack(mx.pack()), 0, 64 << 10, peer.allocate_transfer_uid())
+        assert st.WaitFor(10_000) is StatusCode.SUCCESS, st.Message()
+        assert np.array_equal(x, y)
+    finally:
+        owner.close()
+        peer.close()

@@ -47,6 +47,19 @@ def engine_fields(key: str, backend: str = "mock", incarnation: int = 1) -> dict
             "backend": backend}  # fmt: skip
 
 
+def proven_transports(dialer: dict[str, Any], listener: dict[str, Any]) -> bytes:
+    """What the proofs cover of both ends' transports (compact JSON lists of name and scope, a newline
+    between them), as the protocol specifies; nothing if neither end lists any."""
+
+    def listed(engine: dict[str, Any]) -> bytes:
+        items = [{"name": t["name"], "scope": t.get("scope", "")} for t in engine.get("transports", [])]
+        return json.dumps(items, separators=(",", ":")).encode()
+
+    if not dialer.get("transports") and not listener.get("transports"):
+        return b""
+    return listed(dialer) + b"\n" + listed(listener)
+
+
 async def open_raw(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = address.rsplit(":", 1)
     return await asyncio.open_connection(host, int(port))
@@ -126,8 +139,9 @@ async def hello(
     challenge = replies[0]
     listener = challenge["engine"]
     transcript = Transcript(
-        key, incarnation, nonce, listener["key"], listener["incarnation"], base64.b64decode(challenge["nonce"])
-    )
+        key, incarnation, nonce, listener["key"], listener["incarnation"], base64.b64decode(challenge["nonce"]),
+        proven_transports(msg["engine"], listener),
+    )  # fmt: skip
     proof = transcript.proof(secret or os.urandom(32), "dialer")
     if bad_proof:
         proof = bytes([proof[0] ^ 1]) + proof[1:]

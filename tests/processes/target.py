@@ -4,14 +4,17 @@ Commands: {"cmd": "register", "name", "size", "seed"} -> desc; {"cmd": "deregist
 {"cmd": "digest", "name"} -> sha256 of the region; {"cmd": "block", "seconds"} blocks the event
 loop (the NIC must keep serving); {"cmd": "inbound", "peer", "uid", "timeout"} -> the code the
 peer's transfer uid ended with (null if none within the timeout); {"cmd": "stats"} -> statistics();
-{"cmd": "exit"}.
+{"cmd": "exit"}. With ``$MORIIO_TEST_UNDUMPABLE`` set it first makes itself undumpable, so a peer
+without CAP_SYS_PTRACE may not attach to it (the kernel refuses cma).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -63,4 +66,7 @@ async def main(backend: str) -> None:
 
 
 if __name__ == "__main__":
+    undumpable = os.environ.get("MORIIO_TEST_UNDUMPABLE")
+    if undumpable and ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
     asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "tcp"))

@@ -12,7 +12,9 @@ Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
 ``split_bytes`` (default 1 MiB: smaller windows are not split),
 ``ptracer`` ("peer", "any" or "off": see ``permissions.py``),
 ``revoke_wait`` (seconds, default 0.1: how long deregistration waits for a window an initiator
-is copying right now, usually about a millisecond, before it cuts that initiator off).
+is copying right now, usually about a millisecond, before it cuts that initiator off),
+``quiet_refusal`` (bool, default False: the engine sets it when it has another transport to fall
+back on, and logs the one line itself; the kernel's refusal then stays an INFO line here).
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ def tuning_from(extra: Mapping[str, Any]) -> Tuning:
         threads=_int_setting(extra, "threads", default.threads, 1, 64),
         split_bytes=_int_setting(extra, "split_bytes", default.split_bytes, 4 << 10, 1 << 30),
     )
+
+
+def _ns_inode(kind: str) -> int:
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0  # no /proc view of it: peers that see none either compare equal, and the probe decides
 
 
 class CmaBackend(Backend):
@@ -144,6 +153,12 @@ class CmaBackend(Backend):
             qp = CmaQueuePair(qp_num, cq, self.local, self.port, self.options, self.tuning, self._forget)
             self._qps[qp_num] = qp
         return qp
+
+    def scope(self) -> str:
+        """This host and the namespaces a peer must share: the boot id, the pid namespace (the pid in an
+        endpoint means the same process), the net namespace (the abstract Unix socket) and the uid."""
+        ns = [_ns_inode(kind) for kind in ("pid", "net")]
+        return f"{self.port.boot}/pid:{ns[0]}/net:{ns[1]}/uid:{os.getuid()}"
 
     def describe(self) -> dict[str, Any]:
         return {

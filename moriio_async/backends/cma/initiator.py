@@ -270,7 +270,9 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
             view.close()
             what, hint = explain(err, pid)
             if _first_refusal(pid, started):  # one line per target process, however many pairs try
-                log.warning("cma: %s; fix: %s", what, hint)
+                # With a transport to fall back on, the engine says it (once, with this reason).
+                quiet = options.extra.get("quiet_refusal") is True
+                log.log(logging.INFO if quiet else logging.WARNING, "cma: %s; fix: %s", what, hint)
             raise CmaNotPermitted(f"qp {qp_num}: {what}", hint=hint)
         if got.tobytes() != nonce:
             inuse.close()

@@ -117,17 +117,21 @@ class MemoryDesc:
     incarnation: int
     rkey: int
     access: int
+    rkeys: tuple[tuple[str, int], ...] = ()
+    """The rkey on each backend when the owner has several (not in MoRI-IO): a peer reaching it over
+    another transport than the owner's first (tcp from another host) names that backend's rkey."""
 
     @property
     def inner(self) -> AsyncMemoryDesc:
         return AsyncMemoryDesc(
-            self.engine_key, self.incarnation, "", self.data, self.size, self.rkey, Access(self.access)
+            self.engine_key, self.incarnation, "", self.data, self.size, self.rkey, Access(self.access), self.rkeys
         )
 
     def pack(self) -> bytes:
         data = asdict(self)
         data["loc"] = int(self.loc)
         data["ipc_handle"] = self.ipc_handle.hex()
+        data["rkeys"] = dict(self.rkeys)
         return json.dumps({"kind": "mori.MemoryDesc", **data}, separators=(",", ":")).encode()
 
     @staticmethod
@@ -138,6 +142,10 @@ class MemoryDesc:
             loc = MemoryLocationType(_get(data, "loc", int))
         except ValueError as exc:
             raise InvalidArgument(f"cannot unpack MemoryDesc: {exc}") from exc
+        rkeys = AsyncMemoryDesc.from_dict(
+            {"engine_key": "?", "incarnation": 0, "name": "", "addr": 0, "length": 1, "rkey": 0, "access": 0,
+             "rkeys": data.get("rkeys", {})}
+        ).rkeys  # fmt: skip
         desc = MemoryDesc(
             _get(data, "engine_key", str),
             _get(data, "id", int),
@@ -151,6 +159,7 @@ class MemoryDesc:
             _get(data, "incarnation", int),
             _get(data, "rkey", int),
             _get(data, "access", int) & int(Access.all()),
+            rkeys,
         )
         if len(ipc) != IPC_HANDLE_SIZE or not 0 <= desc.id < 1 << 32:
             raise InvalidArgument("MemoryDesc has a malformed ipc_handle or id")

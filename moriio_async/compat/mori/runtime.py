@@ -53,7 +53,8 @@ NO_BACKEND = "No available backend found, create backend first"
 def backend_name_for(kind: BackendType) -> str:
     """The moriio_async backend behind a MoRI-IO backend type."""
     if kind is BackendType.RDMA:
-        # verbs when a device works, else tcp (logged); MORIIO_COMPAT_RDMA_BACKEND=verbs refuses to fall back
+        # cma for peers on this host, verbs when a device works, else tcp (each session the best its peer
+        # shares; see README "A transport per peer"); MORIIO_COMPAT_RDMA_BACKEND=verbs refuses to fall back
         return os.environ.get("MORIIO_COMPAT_RDMA_BACKEND", "auto")
     if kind is BackendType.TCP:
         return "tcp"
@@ -186,8 +187,8 @@ class EngineRuntime:
         wanted = cfg.engine_options(replace(self.options, backend=name))
         running = self.aio.config
         restart = (
-            (name != "auto" and name != self.aio.backend_name)
-            or (name == "auto" and self.aio.backend_name not in ("verbs", "tcp"))
+            (name != "auto" and (name,) != self.aio.transports and not wanted.backends)
+            or wanted.transport_names() != running.transport_names()
             or wanted.sq_depth != running.sq_depth
             or wanted.max_sge != running.max_sge
         )
@@ -229,6 +230,7 @@ class EngineRuntime:
         desc = MemoryDesc(
             self.key, next(self._mem_ids) & 0xFFFFFFFF, device_id, "", inner.addr, inner.length,
             MemoryLocationType.CPU, bytes(IPC_HANDLE_SIZE), -1, inner.incarnation, inner.rkey, int(inner.access),
+            inner.rkeys,
         )  # fmt: skip
         self.locals[desc.id] = LocalRegion(desc, inner, (buffer, keep))
         return desc

@@ -1,0 +1,233 @@
+"""The backends one engine has open, best first, and which of them each peer's sessions use.
+
+``backend="auto"`` opens cma (peers on this host), then verbs (when a device
+works), then tcp, skipping any this host cannot open; ``backends=(...)``
+opens exactly those, in that order; ``backend="tcp"`` (or another name)
+opens that one alone, as before transports. Each has its own completion
+queue. The engine advertises them in its hello (``EngineDesc.transports``,
+covered by the proofs of an authenticated hello), and a session to a peer
+uses the first of this engine's transports the peer has too, with the same
+scope (for cma: the same host and namespaces). The first pair opened over
+cma is the probe: if the kernel refuses the attach (``CmaNotPermitted``),
+that peer is demoted to the next transport, with one WARNING line.
+
+Queue-pair numbers are per backend, so two backends of one engine hand out
+the same numbers. A pair of the N-th transport (N > 0) is wrapped so its
+number carries N above the 24 bits a backend uses (``aio.router.TAG_SHIFT``): the
+control plane, the link books and the completion router then tell pairs of
+different backends apart with no other change; pairs of the first
+transport (the only one, for a single-backend engine) are not wrapped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from ..aio.router import TAG_SHIFT
+from ..backends import open_backend
+from ..backends.base import Backend, BackendOptions, CompletionQueue, Endpoint, QueuePair
+from ..descriptors import EngineDesc, TransportDesc
+from ..errors import BackendUnavailable
+from ..work import WorkBatch
+from .config import IOEngineConfig
+
+__all__ = ["PeerChoices", "TaggedQp", "Transport", "Transports", "open_backends"]
+
+log = logging.getLogger("moriio_async")
+
+
+def open_backends(config: IOEngineConfig) -> list[Backend]:
+    """Open the backends ``config`` asks for, best first (blocking: run it off the loop).
+
+    With ``auto`` a backend this host cannot open is skipped (one INFO line); an explicit
+    list or a single name must open in full. On failure nothing stays open.
+    """
+    names = config.transport_names()
+    optional = config.backend == "auto" and not config.backends
+    opened: list[Backend] = []
+    try:
+        for i, name in enumerate(names):
+            options = config.backend_options()
+            if name == "cma" and i < len(names) - 1:
+                # The engine has a transport to fall back on: it says why, once, not the backend.
+                options = _with_extra(options, quiet_refusal=True)
+            try:
+                opened.append(open_backend(name, options))
+            except (BackendUnavailable, OSError) as exc:  # OSError: a socket or memfd the host refuses
+                if not optional:
+                    raise
+                log.info("backend=auto: %s unavailable here (%s)", name, exc)
+        if not opened:
+            raise BackendUnavailable(f"none of the backends {list(names)} could be opened")
+    except BaseException:
+        for backend in opened:
+            backend.close()
+        raise
+    return opened
+
+
+def _with_extra(options: BackendOptions, **extra: object) -> BackendOptions:
+    return replace(options, extra={**options.extra, **extra})
+
+
+@dataclass(eq=False, slots=True)
+class Transport:
+    """One open backend of the engine, its completion queue, and its place in the engine's order."""
+
+    name: str
+    backend: Backend
+    cq: CompletionQueue
+    tag: int
+
+    def desc(self) -> TransportDesc:
+        return TransportDesc(self.name, self.backend.scope())
+
+
+class TaggedQp(QueuePair):
+    """A pair of the engine's ``tag``-th backend, numbered ``tag << TAG_SHIFT | its own number``."""
+
+    def __init__(self, inner: QueuePair, tag: int) -> None:
+        self.inner = inner
+        self.qp_num = tag << TAG_SHIFT | inner.qp_num
+        self.max_send_wr = inner.max_send_wr
+        self.max_sge = inner.max_sge
+
+    @property
+    def state(self) -> str:
+        return self.inner.state
+
+    def endpoint(self) -> Endpoint:
+        return self.inner.endpoint()
+
+    def connect(self, remote: Endpoint) -> None:
+        self.inner.connect(remote)
+
+    def bind_session(self, session_key: bytes | None, *, answering: bool) -> None:
+        self.inner.bind_session(session_key, answering=answering)
+
+    def post(self, batch: WorkBatch) -> None:
+        self.inner.post(batch)
+
+    def to_error(self) -> None:
+        self.inner.to_error()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Transports:
+    """The engine's open backends in its order of preference (the first is ``primary``)."""
+
+    def __init__(self, backends: list[Backend], cq_depth: int) -> None:
+        self._list: list[Transport] = []
+        try:
+            for tag, backend in enumerate(backends):
+                self._list.append(Transport(backend.name, backend, backend.create_cq(cq_depth), tag))
+        except BaseException:
+            self.close_queues()
+            raise
+        self._by_name = {t.name: t for t in self._list}
+
+    def __iter__(self) -> Iterator[Transport]:
+        return iter(self._list)
+
+    def __len__(self) -> int:
+        return len(self._list)
+
+    @property
+    def primary(self) -> Transport:
+        return self._list[0]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self._list)
+
+    def get(self, name: str) -> Transport | None:
+        """The transport called ``name`` (empty: the primary), or None if this engine has no such one."""
+        return self._list[0] if not name else self._by_name.get(name)
+
+    def of(self, qp: QueuePair) -> Transport:
+        """The transport a pair ``create_qp`` gave belongs to."""
+        return self._list[qp.qp_num >> TAG_SHIFT]
+
+    def descs(self) -> tuple[TransportDesc, ...]:
+        return tuple(t.desc() for t in self._list)
+
+    def create_qp(self, transport: Transport) -> QueuePair:
+        qp = transport.backend.create_qp(transport.cq)
+        return qp if transport.tag == 0 else TaggedQp(qp, transport.tag)
+
+    def close_queues(self) -> None:
+        for t in self._list:
+            t.cq.close()
+
+
+@dataclass(slots=True)
+class _Choice:
+    incarnation: int
+    refused: set[str] = field(default_factory=set)
+    chosen: str | None = None
+
+
+class PeerChoices:
+    """Which transport each peer's sessions use: the best both ends share, less those the kernel refused."""
+
+    def __init__(self, key: str, transports: Transports, *, capacity: int) -> None:
+        self._key = key
+        self._transports = transports
+        self._capacity = capacity
+        self._choices: dict[str, _Choice] = {}
+
+    def _entry(self, peer: EngineDesc) -> _Choice:
+        entry = self._choices.get(peer.key)
+        if entry is None or entry.incarnation != peer.incarnation:
+            entry = self._choices[peer.key] = _Choice(peer.incarnation)
+            while len(self._choices) > self._capacity:
+                del self._choices[next(iter(self._choices))]  # the oldest: it chooses again if it comes back
+        return entry
+
+    def _pick(self, peer: EngineDesc, entry: _Choice) -> Transport | None:
+        # An older peer advertises no transports: its one backend, with no scope (so never cma).
+        offered = {t.name: t.scope for t in peer.transports} or {peer.backend: ""}
+        for t in self._transports:
+            if t.name not in entry.refused and offered.get(t.name) == t.backend.scope():
+                return t
+        return None
+
+    def choose(self, peer: EngineDesc) -> Transport:
+        """The transport for new sessions to ``peer`` (logged at INFO the first time for each incarnation)."""
+        entry = self._entry(peer)
+        t = self._pick(peer, entry)
+        if t is None:
+            raise BackendUnavailable(
+                f"engine {self._key!r} shares no transport with {peer.key!r}: this engine has "
+                f"{list(self._transports.names)} (refused: {sorted(entry.refused) or 'none'}), "
+                f"it has {list(peer.transport_names())}",
+                hint="give both engines a backend in common (backend='auto' opens every one this host has)",
+            )
+        if entry.chosen != t.name:
+            entry.chosen = t.name
+            why = " (same host)" if t.name == "cma" else ""
+            log.info("engine %s: sessions to %s use %s%s", self._key, peer.key, t.name, why)
+        return t
+
+    def refuse(self, peer: EngineDesc, transport: Transport, why: BaseException) -> bool:
+        """``transport`` cannot reach ``peer`` (the kernel refused the probe): True if another may,
+        after the one WARNING line that says so."""
+        entry = self._entry(peer)
+        entry.refused.add(transport.name)
+        entry.chosen = None
+        nxt = self._pick(peer, entry)
+        if nxt is None:
+            return False
+        log.warning(
+            "engine %s: %s to %s is not permitted, falling back to %s: %s",
+            self._key, transport.name, peer.key, nxt.name, why,
+        )  # fmt: skip
+        return True
+
+    def chosen(self) -> dict[str, str]:
+        """Peer key -> the transport its sessions use (peers with a choice made)."""
+        return {key: c.chosen for key, c in self._choices.items() if c.chosen is not None}
