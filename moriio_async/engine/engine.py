@@ -341,7 +341,8 @@ class IOEngine:
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: identity, counts of sessions, regions, transfers, links and peers, the reader's figures,
-        and what peers did wrong (refused links and hellos, bad frames, access errors per peer)."""
+        and what peers did wrong (refused links and hellos, bad frames, access errors per peer; on the
+        data ports, ``data_plane``: refused tokens and connections, bad and slow messages, aborted requests)."""
         running = self._running
         router = running.router.statistics() if running is not None else None
         peers = running.peers.statistics() if running is not None else None
@@ -376,4 +377,5 @@ class IOEngine:
             "impersonations": guard.impersonations,
             "access_errors": guard.access_errors,
             "suppressed_log_lines": self._guard.suppressed,
+            "data_plane": running.transports.data_plane() if running is not None else {},
         }

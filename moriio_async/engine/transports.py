@@ -155,6 +155,17 @@ class Transports:
     def descs(self) -> tuple[TransportDesc, ...]:
         return tuple(t.desc() for t in self._list)
 
+    def data_plane(self) -> dict[str, int]:
+        """What peers did wrong on the transports' own data ports (tcp: refused tokens, bad and slow
+        messages, refused connections, aborted requests), summed over the transports that count it."""
+        total: dict[str, int] = {}
+        for t in self._list:
+            counters = t.backend.describe().get("data_plane")
+            if isinstance(counters, dict):
+                for name, n in counters.items():
+                    total[name] = total.get(name, 0) + int(n)
+        return total
+
     def create_qp(self, transport: Transport) -> QueuePair:
         qp = transport.backend.create_qp(transport.cq)
         return qp if transport.tag == 0 else TaggedQp(qp, transport.tag)

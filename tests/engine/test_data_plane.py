@@ -94,6 +94,7 @@ async def test_deregistering_under_a_trickled_write_does_not_stall_the_loop(
             assert np.array_equal(target, snapshot), "a byte landed after deregister_memory returned"
             assert gaps.longest < 0.1, f"the loop stood still {gaps.longest * 1000:.0f} ms"
             assert b.describe_backend()["data_plane"]["aborted_requests"] == 1
+            assert b.statistics()["data_plane"]["aborted_requests"] == 1
     finally:
         sock.close()
         await said.close()
@@ -131,6 +132,7 @@ async def test_unexported_rkeys_are_refused_counted_per_peer_and_logged_at_a_rat
         assert loop.time() < give_up, b.statistics()["access_errors"]
         await asyncio.sleep(0.01)
     assert b.describe_backend()["data_plane"]["access_errors"] == 20
+    assert b.statistics()["data_plane"]["access_errors"] == 20
     lines = [r for r in caplog.records if "remote access refused" in r.getMessage()]
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]  # one per logger (engine, backend) per interval
     assert any("hostile" in r.getMessage() for r in lines)
