@@ -52,7 +52,7 @@ from ...work import WorkBatch, WorkCompletion
 from ..base import QpState
 from ..softcq import SoftCompletionQueue
 from .hooks import Hooks
-from .iov import Iov
+from .iov import HeldIo, Iov
 from .regions import Checked, RegionTable
 from .wire import MAX_CHUNK, SEQ_MASK, VendorErr
 
@@ -124,7 +124,7 @@ class Span:
 class Chunk:
     """Requests ``lo:hi`` of ``batch`` (one opcode); ``next`` is the first not yet completed."""
 
-    __slots__ = ("batch", "hi", "iov", "lo", "local", "next", "opcode", "preset", "sent", "seq", "views")
+    __slots__ = ("batch", "blocks", "hi", "iov", "lo", "local", "next", "opcode", "preset", "sent", "seq", "views")
 
     def __init__(self, batch: WorkBatch, lo: int, hi: int, seq: int) -> None:
         self.batch = batch
@@ -138,6 +138,7 @@ class Chunk:
         self.local: Checked | None = None  # a READ's local SGEs, checked (the receiver pins them)
         self.iov: Iov | None = None  # a READ's scatter list: one row per local SGE of lo:hi
         self.views: list[memoryview] | None = None  # or, for a one-request READ, its SGEs as views
+        self.blocks: list[tuple[int, int]] | None = None  # and as (address, length) pairs
 
     @property
     def is_read(self) -> bool:
@@ -169,6 +170,8 @@ class PairState:
         self.uncovered = 0  # successful unsignaled requests the next completion covers
         self.send_stopped = False  # a request failed locally: nothing after it is sent
         self.tx_pending: PendingWrite | None = None  # written under tx_lock
+        self.held = HeldIo()
+        """The doorbell's non-blocking writes that keep the GIL (used under tx_lock)."""
         self.sock: socket.socket | None = None  # the active side's connection
         self.responder: Stoppable | None = None  # the passive side's
         self.retry_timeout = 5.0

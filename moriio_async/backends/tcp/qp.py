@@ -37,7 +37,7 @@ from .listener import Listener, dial
 from .pairstate import PairState
 from .receiver import recv_loop
 from .regions import RegionTable
-from .sender import INLINE_BYTES, ring_locked, send_loop
+from .sender import INLINE_BYTES, ring, ring_locked, ring_one_locked, send_loop
 
 __all__ = ["MAX_SEND_WR", "MAX_SGE", "TcpQueuePair"]
 
@@ -195,18 +195,36 @@ class TcpQueuePair(QueuePair):
             if not n:
                 return
             idle = not st.pending and st.tx_pending is None and not st.send_stopped and st.hooks is None
-            st.admit_locked(batch)
-            if st.state != QpState.RTS:
-                return  # flushed at once
-            if not (idle and _payload(batch) <= INLINE_BYTES and st.tx_lock.acquire(blocking=False)):
-                st.send_cv.notify()
-                return
-            try:
-                assert st.sock is not None
-                ring_locked(st, st.sock)
-            finally:
-                st.tx_lock.release()
-            if st.pending or st.tx_pending is not None:
+            rnd = None
+            if n == 1 and idle and state == QpState.RTS and st.tx_lock.acquire(blocking=False):
+                try:
+                    rnd = ring_one_locked(st, batch)
+                finally:
+                    if rnd is None:
+                        st.tx_lock.release()
+            if rnd is None:
+                st.admit_locked(batch)
+                if st.state != QpState.RTS:
+                    return  # flushed at once
+                if not (idle and _payload(batch) <= INLINE_BYTES and st.tx_lock.acquire(blocking=False)):
+                    st.send_cv.notify()
+                    return
+                try:
+                    rnd = ring_locked(st)
+                except BaseException:
+                    st.tx_lock.release()
+                    raise
+            sock = st.sock
+        # The write runs under tx_lock only (it orders the socket's writers); the pair lock is free
+        # meanwhile, so the receiver completing responses never waits for this socket call.
+        try:
+            if rnd is not None:
+                assert sock is not None
+                ring(st, sock, rnd)
+        finally:
+            st.tx_lock.release()
+        if st.pending:  # posted by another thread meanwhile, which found tx_lock taken
+            with st.lock:
                 st.send_cv.notify()
 
     def to_error(self) -> None:
