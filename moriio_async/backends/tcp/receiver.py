@@ -28,6 +28,7 @@ from ..base import QpState
 from .hooks import Fault
 from .iov import (
     Deadline,
+    HeldIo,
     address,
     advance,
     advance_buffers,
@@ -54,10 +55,13 @@ Response = tuple[int, int, int, int, int, int, int]  # opcode, status, vendor, s
 
 
 def recv_loop(st: PairState, sock: socket.socket) -> None:
-    buf = bytearray(_SIZE * LOOKAHEAD)
-    view = memoryview(buf)
+    responses = np.zeros(_SIZE * LOOKAHEAD, dtype=np.uint8)
+    buf = view = responses.data
+    at = address(responses)
     header = np.zeros(_SIZE, dtype=np.uint8)
     scratch = memoryview(bytearray(SCRATCH))
+    held = HeldIo()
+    fd = sock.fileno()
     while True:
         with st.lock:
             wire = st.wire
@@ -72,10 +76,13 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
                     n += 1
         try:
             if head.is_read:
-                if not _read_chunk(st, sock, head, header, scratch):
+                if not _read_chunk(st, sock, head, header, scratch, held):
                     return
                 continue
-            got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
+            # What already arrived is taken keeping the GIL; only an empty socket is waited on.
+            got = held.recv(fd, [(at, n * _SIZE)])
+            if got <= 0:
+                got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
             if got % _SIZE:
                 deadline = Deadline.after(sock, st.retry_timeout, 0)
                 recv_exact(sock, view[got : got + _SIZE - got % _SIZE], deadline)
@@ -174,7 +181,9 @@ def _hooked(st: PairState, head: Chunk, wr: WorkRequest, status: int, vendor: in
         return st.state == _RTS
 
 
-def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndarray, scratch: memoryview) -> bool:
+def _read_chunk(
+    st: PairState, sock: socket.socket, head: Chunk, header: np.ndarray, scratch: memoryview, held: HeldIo
+) -> bool:
     """Receive a READ chunk's response (header, then payloads into the local SGEs) and complete it."""
     local, scatter, views = head.local, head.iov, head.views
     assert local is not None
@@ -189,7 +198,12 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
             if local.first_bad >= nsge:  # the common case (all alive): header and payloads in one call
                 if views is not None:  # one request: the socket module's call, a view per SGE
                     buffers = [header.data, *views]
-                    got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
+                    got = -1
+                    if head.blocks is not None and len(head.blocks) <= HeldIo.MAX_BLOCKS:
+                        # What already arrived is taken keeping the GIL; only an empty socket is waited on.
+                        got = held.recv(fd, [(address(header), _SIZE), *head.blocks])
+                    if got <= 0:
+                        got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
                 else:
                     assert scatter is not None
                     iov = iovecs(1 + nsge)
