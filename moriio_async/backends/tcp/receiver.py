@@ -59,6 +59,7 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
     buf = view = responses.data
     at = address(responses)
     header = np.zeros(_SIZE, dtype=np.uint8)
+    header_at = address(header)  # once: numpy's address lookup costs microseconds
     scratch = memoryview(bytearray(SCRATCH))
     held = HeldIo()
     fd = sock.fileno()
@@ -76,7 +77,7 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
                     n += 1
         try:
             if head.is_read:
-                if not _read_chunk(st, sock, head, header, scratch, held):
+                if not _read_chunk(st, sock, head, header, header_at, scratch, held):
                     return
                 continue
             # What already arrived is taken keeping the GIL; only an empty socket is waited on.
@@ -182,7 +183,13 @@ def _hooked(st: PairState, head: Chunk, wr: WorkRequest, status: int, vendor: in
 
 
 def _read_chunk(
-    st: PairState, sock: socket.socket, head: Chunk, header: np.ndarray, scratch: memoryview, held: HeldIo
+    st: PairState,
+    sock: socket.socket,
+    head: Chunk,
+    header: np.ndarray,
+    header_at: int,
+    scratch: memoryview,
+    held: HeldIo,
 ) -> bool:
     """Receive a READ chunk's response (header, then payloads into the local SGEs) and complete it."""
     local, scatter, views = head.local, head.iov, head.views
@@ -201,13 +208,13 @@ def _read_chunk(
                     got = -1
                     if head.blocks is not None and len(head.blocks) <= HeldIo.MAX_BLOCKS:
                         # What already arrived is taken keeping the GIL; only an empty socket is waited on.
-                        got = held.recv(fd, [(address(header), _SIZE), *head.blocks])
+                        got = held.recv(fd, [(header_at, _SIZE), *head.blocks])
                     if got <= 0:
                         got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
                 else:
                     assert scatter is not None
                     iov = iovecs(1 + nsge)
-                    iov[0] = (address(header), _SIZE)
+                    iov[0] = (header_at, _SIZE)
                     iov[1:] = scatter
                     got = _patient(sock, lambda: recvmsg(fd, iov))
                 _finish_header(st, sock, header, got)
