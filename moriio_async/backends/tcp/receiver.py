@@ -45,6 +45,9 @@ from .wire import RESPONSE, PeerGone, VendorErr, peer_progress
 __all__ = ["recv_loop"]
 
 LOOKAHEAD = 64  # WRITE responses read with one recv
+HELD_BYTES = 128 << 10
+"""A READ response up to this size is first taken keeping the GIL (``HeldIo``); a larger one is
+received with one MSG_WAITALL call (GIL released), which a partial first take would only split."""
 SCRATCH = 1 << 16
 
 _RTS = QpState.RTS
@@ -206,9 +209,14 @@ def _read_chunk(
                 if views is not None:  # one request: the socket module's call, a view per SGE
                     buffers = [header.data, *views]
                     got = -1
-                    if head.blocks is not None and len(head.blocks) <= HeldIo.MAX_BLOCKS:
+                    blocks = head.blocks
+                    if (
+                        blocks is not None
+                        and len(blocks) <= HeldIo.MAX_BLOCKS
+                        and _payload(head, head.lo, head.hi) <= HELD_BYTES
+                    ):
                         # What already arrived is taken keeping the GIL; only an empty socket is waited on.
-                        got = held.recv(fd, [(header_at, _SIZE), *head.blocks])
+                        got = held.recv(fd, [(header_at, _SIZE), *blocks])
                     if got <= 0:
                         got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
                 else:
