@@ -50,7 +50,7 @@ def test_held_send_takes_what_fits_and_never_blocks() -> None:
         first = held.send(a.fileno(), b"h" * 16, [(int(src.ctypes.data), len(src))])
         assert 0 < first < len(src)  # a partial write, at once
         assert held.send(a.fileno(), b"h" * 16, [(int(src.ctypes.data), len(src))]) == -1  # full: -1
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="Bad file descriptor"):
         held.send(a.fileno(), b"h", [])  # a closed fd is an error, not "nothing moved"
 
 
