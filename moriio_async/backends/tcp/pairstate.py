@@ -51,6 +51,7 @@ from ...status import Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
 from ..base import QpState
 from ..softcq import SoftCompletionQueue
+from ..softpair import Completions, fold_successes
 from .hooks import Hooks
 from .iov import HeldIo, Iov
 from .regions import Checked, RegionTable
@@ -65,8 +66,6 @@ _OPCODES = {int(o): o for o in Opcode}
 _READ = int(Opcode.RDMA_READ)
 _RTS, _ERR = QpState.RTS, QpState.ERR
 _SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
-
-Completions = list[tuple[WorkCompletion, int]]
 
 
 class Stoppable(Protocol):
@@ -265,26 +264,9 @@ class PairState:
         chunk.next = b
         if b == chunk.hi:
             self.wire.popleft()
-        batch = chunk.batch
-        if k == 1:
-            if not batch.signaled.item(a):
-                self.uncovered += 1
-                return
-            signaled = [a]
-        else:
-            signaled = (np.flatnonzero(batch.signaled[a:b]) + a).tolist()
-            if not signaled:
-                self.uncovered += k
-                return
-        out: Completions = []
-        prev = a - 1 - self.uncovered
-        op = _OPCODES[chunk.opcode]
-        first, lengths, qp_num = batch.wr_id, batch.length, self.qp_num
-        for i in signaled:
-            out.append((WorkCompletion(first + i, _SUCCESS, op, lengths.item(i), qp_num), i - prev))
-            prev = i
-        self.uncovered = b - 1 - prev
-        self.cq.push_many(out, self)
+        out, self.uncovered = fold_successes(chunk.batch, a, b, self.uncovered, self.qp_num)
+        if out:
+            self.cq.push_many(out, self)
 
     def complete_presets_locked(self) -> None:
         """Complete (or fail at) preset chunks that reached the head."""
