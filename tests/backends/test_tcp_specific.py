@@ -147,11 +147,11 @@ def test_doorbell_writes_the_socket_would_not_take_finish_on_the_sender(
 
     partial = []
 
-    def counting(st: PairState, sock: socket.socket) -> None:
-        sender.ring_locked(st, sock)
+    def counting(st: PairState, sock: socket.socket, rnd: sender.Round) -> None:
+        sender.ring(st, sock, rnd)
         partial.append(st.tx_pending is not None)
 
-    monkeypatch.setattr(qp, "ring_locked", counting)
+    monkeypatch.setattr(qp, "ring", counting)
     pair = pairs(8 << 20, 8 << 20, sq_depth=64)
     active = pair.a.qp
     assert isinstance(active, TcpQueuePair)

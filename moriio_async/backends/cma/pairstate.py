@@ -31,15 +31,14 @@ from ...status import Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
 from ..base import QpState
 from ..softcq import SoftCompletionQueue
+from ..softpair import Completions, fold_successes
 from .kernel import IOV_MAX
 
 __all__ = ["PairState", "Span"]
 
 _OPCODES = {int(o): o for o in Opcode}
 _RTS, _ERR = QpState.RTS, QpState.ERR
-_SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
-
-Completions = list[tuple[WorkCompletion, int]]
+_FLUSH = WcStatus.WR_FLUSH_ERR
 
 
 class Span:
@@ -110,24 +109,9 @@ class PairState:
         span.pos = b
         if b == len(batch):
             self.pending.popleft()
-        if k == 1:
-            if not batch.signaled.item(a):
-                self.uncovered += 1
-                return
-            signaled = [a]
-        else:
-            signaled = (np.flatnonzero(batch.signaled[a:b]) + a).tolist()
-            if not signaled:
-                self.uncovered += k
-                return
-        out: Completions = []
-        prev = a - 1 - self.uncovered
-        ops, lengths, first, qp_num = batch.opcode, batch.length, batch.wr_id, self.qp_num
-        for i in signaled:
-            out.append((WorkCompletion(first + i, _SUCCESS, _OPCODES[ops.item(i)], lengths.item(i), qp_num), i - prev))
-            prev = i
-        self.uncovered = b - 1 - prev
-        self.cq.push_many(out, self)
+        out, self.uncovered = fold_successes(batch, a, b, self.uncovered, self.qp_num)
+        if out:
+            self.cq.push_many(out, self)
 
     def fail(self, status: WcStatus, vendor: int) -> None:
         with self.lock:

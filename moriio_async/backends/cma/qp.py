@@ -16,13 +16,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from ...errors import InvalidArgument
-from ...status import Opcode, WcStatus
+from ...status import WcStatus
 from ...work import WorkBatch
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from ..softcq import SoftCompletionQueue
+from ..softpair import check_shape
 from .initiator import TargetLink, dial
 from .iov import Mover
 from .pairstate import PairState
@@ -36,9 +35,6 @@ log = logging.getLogger("moriio_async.cma")
 
 MAX_SEND_WR = 1 << 16
 MAX_SGE = 256
-
-_WRITE = int(Opcode.RDMA_WRITE)
-_READ = int(Opcode.RDMA_READ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,19 +136,7 @@ class CmaQueuePair(QueuePair):
 
     def post(self, batch: WorkBatch) -> None:
         n = len(batch)
-        ops = batch.opcode
-        if n == 1:
-            op = ops.item(0)
-            if op != _WRITE and op != _READ:
-                raise InvalidArgument(f"unsupported opcode {op}")
-            if int(batch.sge_start[1]) - int(batch.sge_start[0]) > self.max_sge:
-                raise InvalidArgument(f"{int(batch.sge_start[1])} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
-        elif n:
-            if not bool(((ops == _WRITE) | (ops == _READ)).all()):
-                raise InvalidArgument(f"unsupported opcode {int(ops[(ops != _WRITE) & (ops != _READ)][0])}")
-            most = int(np.diff(batch.sge_start).max())
-            if most > self.max_sge:
-                raise InvalidArgument(f"{most} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
+        check_shape(batch, self.max_sge, self.qp_num)
         st = self.pair_state
         with st.lock:
             state = st.state

@@ -38,6 +38,7 @@ __all__ = [
     "IOV_MAX",
     "MIN_RATE",
     "Deadline",
+    "HeldIo",
     "Iov",
     "address",
     "advance",
@@ -151,6 +152,80 @@ _recvmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
 _recvmsg.restype = ctypes.c_ssize_t
 _NOSIGNAL: Final = int(socket.MSG_NOSIGNAL)  # plain ints: IntFlag arithmetic costs a call per request
 _WAITALL: Final = int(socket.MSG_WAITALL)
+_DONTWAIT: Final = int(socket.MSG_DONTWAIT)
+
+# The same calls through PyDLL, which keeps the GIL: only ever with MSG_DONTWAIT (they cannot
+# block). Releasing the GIL for a call that returns at once hands it to another thread of the
+# process (the receiver, the event loop), and getting it back costs a wakeup and a wait for that
+# thread's next blocking call: on a busy pair, far more than the call itself.
+_held = ctypes.PyDLL(None, use_errno=True)
+_send_held = _held.send
+_send_held.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+_send_held.restype = ctypes.c_ssize_t
+_sendmsg_held = _held.sendmsg
+_sendmsg_held.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_sendmsg_held.restype = ctypes.c_ssize_t
+_recvmsg_held = _held.recvmsg
+_recvmsg_held.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_recvmsg_held.restype = ctypes.c_ssize_t
+_MSGHDR = struct.Struct("@PIPNPNi")  # struct msghdr (ctypes.sizeof(_MsgHdr) with its tail padding)
+_IOVEC = struct.Struct("@PN")
+
+
+class HeldIo:
+    """Non-blocking socket calls that keep the GIL, for a few blocks, from one thread at a time.
+
+    Each call's ``struct msghdr`` and iovecs are packed into this object's own
+    buffer (the kernel copies them in; nothing outlives the call), and a header
+    in ``bytes`` is copied beside them, so a call makes no Python object. A
+    call returns what moved, or -1 when nothing could (a full or empty socket
+    buffer, or a signal): the caller's blocking path, which releases the GIL,
+    takes over from there.
+    """
+
+    MAX_BLOCKS: Final = 8
+    _HEAD: Final = 256
+
+    def __init__(self) -> None:
+        size = ctypes.sizeof(_MsgHdr) + _IOVEC.size * (self.MAX_BLOCKS + 1) + self._HEAD
+        self._buf = (ctypes.c_char * size)()
+        self._view = memoryview(self._buf).cast("B")
+        self._base = ctypes.addressof(self._buf)
+        self._iov = ctypes.sizeof(_MsgHdr)
+        self._head = self._iov + _IOVEC.size * (self.MAX_BLOCKS + 1)
+
+    def send(self, fd: int, head: bytes, blocks: list[tuple[int, int]]) -> int:
+        """``head`` (at most 256 bytes) then ``blocks`` ((address, length), at most MAX_BLOCKS,
+        checked and pinned by the caller). Raises OSError."""
+        if not blocks:
+            return _moved(_send_held(fd, head, len(head), _DONTWAIT | _NOSIGNAL))
+        view, n = self._view, len(head)
+        view[self._head : self._head + n] = head
+        _IOVEC.pack_into(view, self._iov, self._base + self._head, n)
+        return self._call(_sendmsg_held, fd, blocks, 1, _DONTWAIT | _NOSIGNAL)
+
+    def recv(self, fd: int, blocks: list[tuple[int, int]]) -> int:
+        """Into ``blocks`` ((address, length), at most MAX_BLOCKS + 1, pinned by the caller); 0 at
+        the end of the stream. Raises OSError."""
+        return self._call(_recvmsg_held, fd, blocks, 0, _DONTWAIT)
+
+    def _call(self, fn: ctypes._NamedFuncPointer, fd: int, blocks: list[tuple[int, int]], row: int,
+              flags: int) -> int:  # fmt: skip
+        view, at = self._view, self._iov + row * _IOVEC.size
+        for base, length in blocks:
+            _IOVEC.pack_into(view, at, base, length)
+            at += _IOVEC.size
+        _MSGHDR.pack_into(view, 0, 0, 0, self._base + self._iov, row + len(blocks), 0, 0, 0)
+        return _moved(fn(fd, self._base, flags))
+
+
+def _moved(n: int) -> int:
+    if n >= 0:
+        return n
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+        return -1
+    raise OSError(err, os.strerror(err))
 
 
 def address(array: npt.NDArray[np.generic]) -> int:

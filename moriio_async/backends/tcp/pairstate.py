@@ -51,8 +51,9 @@ from ...status import Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
 from ..base import QpState
 from ..softcq import SoftCompletionQueue
+from ..softpair import Completions, fold_successes
 from .hooks import Hooks
-from .iov import Iov
+from .iov import HeldIo, Iov
 from .regions import Checked, RegionTable
 from .wire import MAX_CHUNK, SEQ_MASK, VendorErr
 
@@ -65,8 +66,6 @@ _OPCODES = {int(o): o for o in Opcode}
 _READ = int(Opcode.RDMA_READ)
 _RTS, _ERR = QpState.RTS, QpState.ERR
 _SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
-
-Completions = list[tuple[WorkCompletion, int]]
 
 
 class Stoppable(Protocol):
@@ -124,7 +123,7 @@ class Span:
 class Chunk:
     """Requests ``lo:hi`` of ``batch`` (one opcode); ``next`` is the first not yet completed."""
 
-    __slots__ = ("batch", "hi", "iov", "lo", "local", "next", "opcode", "preset", "sent", "seq", "views")
+    __slots__ = ("batch", "blocks", "hi", "iov", "lo", "local", "next", "opcode", "preset", "sent", "seq", "views")
 
     def __init__(self, batch: WorkBatch, lo: int, hi: int, seq: int) -> None:
         self.batch = batch
@@ -138,6 +137,7 @@ class Chunk:
         self.local: Checked | None = None  # a READ's local SGEs, checked (the receiver pins them)
         self.iov: Iov | None = None  # a READ's scatter list: one row per local SGE of lo:hi
         self.views: list[memoryview] | None = None  # or, for a one-request READ, its SGEs as views
+        self.blocks: list[tuple[int, int]] | None = None  # and as (address, length) pairs
 
     @property
     def is_read(self) -> bool:
@@ -169,6 +169,8 @@ class PairState:
         self.uncovered = 0  # successful unsignaled requests the next completion covers
         self.send_stopped = False  # a request failed locally: nothing after it is sent
         self.tx_pending: PendingWrite | None = None  # written under tx_lock
+        self.held = HeldIo()
+        """The doorbell's non-blocking writes that keep the GIL (used under tx_lock)."""
         self.sock: socket.socket | None = None  # the active side's connection
         self.responder: Stoppable | None = None  # the passive side's
         self.retry_timeout = 5.0
@@ -262,26 +264,9 @@ class PairState:
         chunk.next = b
         if b == chunk.hi:
             self.wire.popleft()
-        batch = chunk.batch
-        if k == 1:
-            if not batch.signaled.item(a):
-                self.uncovered += 1
-                return
-            signaled = [a]
-        else:
-            signaled = (np.flatnonzero(batch.signaled[a:b]) + a).tolist()
-            if not signaled:
-                self.uncovered += k
-                return
-        out: Completions = []
-        prev = a - 1 - self.uncovered
-        op = _OPCODES[chunk.opcode]
-        first, lengths, qp_num = batch.wr_id, batch.length, self.qp_num
-        for i in signaled:
-            out.append((WorkCompletion(first + i, _SUCCESS, op, lengths.item(i), qp_num), i - prev))
-            prev = i
-        self.uncovered = b - 1 - prev
-        self.cq.push_many(out, self)
+        out, self.uncovered = fold_successes(chunk.batch, a, b, self.uncovered, self.qp_num)
+        if out:
+            self.cq.push_many(out, self)
 
     def complete_presets_locked(self) -> None:
         """Complete (or fail at) preset chunks that reached the head."""

@@ -24,20 +24,19 @@ import socket
 import threading
 from collections.abc import Callable
 
-import numpy as np
-
 from ...core.auth import token_for
 from ...errors import InvalidArgument
 from ...status import Opcode, WcStatus
 from ...work import WorkBatch
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from ..softcq import SoftCompletionQueue
+from ..softpair import check_shape
 from .hooks import Hooks
 from .listener import Listener, dial
 from .pairstate import PairState
 from .receiver import recv_loop
 from .regions import RegionTable
-from .sender import INLINE_BYTES, ring_locked, send_loop
+from .sender import INLINE_BYTES, ring, ring_locked, ring_one_locked, send_loop
 
 __all__ = ["MAX_SEND_WR", "MAX_SGE", "TcpQueuePair"]
 
@@ -47,7 +46,6 @@ MAX_SEND_WR = 1 << 16
 MAX_SGE = 256
 
 _WRITE = int(Opcode.RDMA_WRITE)
-_READ = int(Opcode.RDMA_READ)
 
 
 class TcpQueuePair(QueuePair):
@@ -167,19 +165,7 @@ class TcpQueuePair(QueuePair):
 
     def post(self, batch: WorkBatch) -> None:
         n = len(batch)
-        ops = batch.opcode
-        if n == 1:
-            op = ops.item(0)
-            if op != _WRITE and op != _READ:
-                raise InvalidArgument(f"unsupported opcode {op}")
-            if int(batch.sge_start[1]) - int(batch.sge_start[0]) > self.max_sge:
-                raise InvalidArgument(f"{int(batch.sge_start[1])} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
-        elif n:
-            if not bool(((ops == _WRITE) | (ops == _READ)).all()):
-                raise InvalidArgument(f"unsupported opcode {int(ops[(ops != _WRITE) & (ops != _READ)][0])}")
-            most = int(np.diff(batch.sge_start).max())
-            if most > self.max_sge:
-                raise InvalidArgument(f"{most} SGEs, qp {self.qp_num} takes at most {self.max_sge}")
+        check_shape(batch, self.max_sge, self.qp_num)
         st = self.pair_state
         with st.lock:
             state = st.state
@@ -195,18 +181,36 @@ class TcpQueuePair(QueuePair):
             if not n:
                 return
             idle = not st.pending and st.tx_pending is None and not st.send_stopped and st.hooks is None
-            st.admit_locked(batch)
-            if st.state != QpState.RTS:
-                return  # flushed at once
-            if not (idle and _payload(batch) <= INLINE_BYTES and st.tx_lock.acquire(blocking=False)):
-                st.send_cv.notify()
-                return
-            try:
-                assert st.sock is not None
-                ring_locked(st, st.sock)
-            finally:
-                st.tx_lock.release()
-            if st.pending or st.tx_pending is not None:
+            rnd = None
+            if n == 1 and idle and state == QpState.RTS and st.tx_lock.acquire(blocking=False):
+                try:
+                    rnd = ring_one_locked(st, batch)
+                finally:
+                    if rnd is None:
+                        st.tx_lock.release()
+            if rnd is None:
+                st.admit_locked(batch)
+                if st.state != QpState.RTS:
+                    return  # flushed at once
+                if not (idle and _payload(batch) <= INLINE_BYTES and st.tx_lock.acquire(blocking=False)):
+                    st.send_cv.notify()
+                    return
+                try:
+                    rnd = ring_locked(st)
+                except BaseException:
+                    st.tx_lock.release()
+                    raise
+            sock = st.sock
+        # The write runs under tx_lock only (it orders the socket's writers); the pair lock is free
+        # meanwhile, so the receiver completing responses never waits for this socket call.
+        try:
+            if rnd is not None:
+                assert sock is not None
+                ring(st, sock, rnd)
+        finally:
+            st.tx_lock.release()
+        if st.pending:  # posted by another thread meanwhile, which found tx_lock taken
+            with st.lock:
                 st.send_cv.notify()
 
     def to_error(self) -> None:

@@ -28,6 +28,7 @@ from ..base import QpState
 from .hooks import Fault
 from .iov import (
     Deadline,
+    HeldIo,
     address,
     advance,
     advance_buffers,
@@ -44,6 +45,9 @@ from .wire import RESPONSE, PeerGone, VendorErr, peer_progress
 __all__ = ["recv_loop"]
 
 LOOKAHEAD = 64  # WRITE responses read with one recv
+HELD_BYTES = 128 << 10
+"""A READ response up to this size is first taken keeping the GIL (``HeldIo``); a larger one is
+received with one MSG_WAITALL call (GIL released), which a partial first take would only split."""
 SCRATCH = 1 << 16
 
 _RTS = QpState.RTS
@@ -54,10 +58,14 @@ Response = tuple[int, int, int, int, int, int, int]  # opcode, status, vendor, s
 
 
 def recv_loop(st: PairState, sock: socket.socket) -> None:
-    buf = bytearray(_SIZE * LOOKAHEAD)
-    view = memoryview(buf)
+    responses = np.zeros(_SIZE * LOOKAHEAD, dtype=np.uint8)
+    buf = view = responses.data
+    at = address(responses)
     header = np.zeros(_SIZE, dtype=np.uint8)
+    header_at = address(header)  # once: numpy's address lookup costs microseconds
     scratch = memoryview(bytearray(SCRATCH))
+    held = HeldIo()
+    fd = sock.fileno()
     while True:
         with st.lock:
             wire = st.wire
@@ -72,10 +80,13 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
                     n += 1
         try:
             if head.is_read:
-                if not _read_chunk(st, sock, head, header, scratch):
+                if not _read_chunk(st, sock, head, header, header_at, scratch, held):
                     return
                 continue
-            got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
+            # What already arrived is taken keeping the GIL; only an empty socket is waited on.
+            got = held.recv(fd, [(at, n * _SIZE)])
+            if got <= 0:
+                got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
             if got % _SIZE:
                 deadline = Deadline.after(sock, st.retry_timeout, 0)
                 recv_exact(sock, view[got : got + _SIZE - got % _SIZE], deadline)
@@ -174,7 +185,15 @@ def _hooked(st: PairState, head: Chunk, wr: WorkRequest, status: int, vendor: in
         return st.state == _RTS
 
 
-def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndarray, scratch: memoryview) -> bool:
+def _read_chunk(
+    st: PairState,
+    sock: socket.socket,
+    head: Chunk,
+    header: np.ndarray,
+    header_at: int,
+    scratch: memoryview,
+    held: HeldIo,
+) -> bool:
     """Receive a READ chunk's response (header, then payloads into the local SGEs) and complete it."""
     local, scatter, views = head.local, head.iov, head.views
     assert local is not None
@@ -189,11 +208,21 @@ def _read_chunk(st: PairState, sock: socket.socket, head: Chunk, header: np.ndar
             if local.first_bad >= nsge:  # the common case (all alive): header and payloads in one call
                 if views is not None:  # one request: the socket module's call, a view per SGE
                     buffers = [header.data, *views]
-                    got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
+                    got = -1
+                    blocks = head.blocks
+                    if (
+                        blocks is not None
+                        and len(blocks) <= HeldIo.MAX_BLOCKS
+                        and _payload(head, head.lo, head.hi) <= HELD_BYTES
+                    ):
+                        # What already arrived is taken keeping the GIL; only an empty socket is waited on.
+                        got = held.recv(fd, [(header_at, _SIZE), *blocks])
+                    if got <= 0:
+                        got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
                 else:
                     assert scatter is not None
                     iov = iovecs(1 + nsge)
-                    iov[0] = (address(header), _SIZE)
+                    iov[0] = (header_at, _SIZE)
                     iov[1:] = scatter
                     got = _patient(sock, lambda: recvmsg(fd, iov))
                 _finish_header(st, sock, header, got)

@@ -7,7 +7,8 @@ WRITE payloads with one ``sendmsg`` per up to ``IOV_MAX`` blocks straight from
 the registered buffers (``iov.py``); the call blocks with the GIL released.
 
 The doorbell: when the sender is idle, ``post`` writes READs and small WRITEs
-to the socket itself (``ring_locked``, never blocking), which saves a thread wakeup
+to the socket itself (``ring_locked`` frames them under the pair lock, ``ring``
+writes them after it is released, never blocking), which saves a thread wakeup
 and a GIL hand-off per post; ``tx_lock`` orders the two writers, and what the
 socket does not take at once is finished by the sender thread.
 """
@@ -21,15 +22,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...status import WcStatus
+from ...status import Opcode, WcStatus
+from ...work import WorkBatch
 from ..base import QpState
 from .hooks import Fault
-from .iov import Iov, address, advance, advance_buffers, iovecs, send_all, send_buffers, sendmsg
+from .iov import HeldIo, Iov, address, advance, advance_buffers, iovecs, send_all, send_buffers, sendmsg
 from .pairstate import Chunk, PairState, PendingWrite
 from .regions import Checked
-from .wire import CHUNK, DESC, PeerGone, VendorErr
+from .wire import CHUNK, DESC, SEQ_MASK, PeerGone, VendorErr
 
-__all__ = ["INLINE_BYTES", "ROUND_BYTES", "Drop", "Round", "next_round", "ring_locked", "send_loop"]
+__all__ = [
+    "INLINE_BYTES",
+    "ROUND_BYTES",
+    "Drop",
+    "Round",
+    "next_round",
+    "ring",
+    "ring_locked",
+    "ring_one_locked",
+    "send_loop",
+]
 
 log = logging.getLogger("moriio_async.tcp")
 
@@ -42,6 +54,8 @@ _DESC1 = struct.Struct("<IIQQ")  # one descriptor, for single-request chunks (no
 _HEAD1 = struct.Struct("<BBHIII" + "IIQQ")  # a chunk header with its one descriptor
 _SMALL_SGES = 4  # a one-request round with at most this many SGEs uses the socket module's own calls
 _RTS = QpState.RTS
+_READ = int(Opcode.RDMA_READ)
+_WRITE = int(Opcode.RDMA_WRITE)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 _NOSIGNAL = int(socket.MSG_NOSIGNAL)
 Presets = dict[int, tuple[int, WcStatus, int]]
@@ -61,6 +75,8 @@ class Round:
     total: int
     pinned: list[Checked]
     heads: np.ndarray | None  # the chunk headers the iovecs point at
+    blocks: list[tuple[int, int]] | None = None
+    """With ``buffers``: the payload's (address, length) pairs, for ``HeldIo.send``."""
 
     def unpin(self) -> None:
         for checked in self.pinned:
@@ -124,23 +140,28 @@ def _check(st: PairState, chunks: list[Chunk]) -> tuple[Out, list[Checked], Pres
     return out, pinned, presets
 
 
-def _frame_one(chunk: Chunk, a: int, b: int, checked: Checked) -> tuple[list[bytes | memoryview], int]:
+def _frame_one(chunk: Chunk, a: int, b: int, checked: Checked) -> Round:
     """A one-request chunk as socket-module buffers: header and descriptor in one ``bytes``, then
-    (WRITE) views of its SGEs; a READ keeps its SGEs as views for the receiver."""
+    (WRITE) views of its SGEs, and the same SGEs as (address, length) pairs; a READ keeps both for
+    the receiver."""
     batch, lo = chunk.batch, chunk.lo
     length = batch.length.item(lo)
     head = _HEAD1.pack(chunk.opcode, 0, 0, chunk.wire_seq(lo), 1, 0, batch.rkey.item(lo), 0,
                        batch.remote_addr.item(lo), length)  # fmt: skip
     views: list[memoryview] = []
+    blocks: list[tuple[int, int]] = []
     for j in range(a, b):
         region = checked.found[int(checked.which[j - a]) if len(checked.found) > 1 else 0]
         assert region is not None
-        off = batch.sge_addr.item(j) - region.addr
-        views.append(region.view[off : off + batch.sge_length.item(j)])
+        addr, size = batch.sge_addr.item(j), batch.sge_length.item(j)
+        off = addr - region.addr
+        views.append(region.view[off : off + size])
+        blocks.append((addr, size))
     if chunk.is_read:
         chunk.views = views
-        return [head], len(head)
-    return [head, *views], len(head) + length
+        chunk.blocks = blocks
+        return Round(None, [head], len(head), [], None, [])
+    return Round(None, [head, *views], len(head) + length, [], None, blocks)
 
 
 def _frame(out: Out) -> tuple[Iov, int, np.ndarray]:
@@ -198,8 +219,9 @@ def _build(st: PairState, chunks: list[Chunk]) -> tuple[Round, Presets, bool]:
 def _frame_round(out: Out, pinned: list[Checked], presets: Presets) -> tuple[Round, Presets, bool]:
     if len(out) == 1 and out[0][1] - out[0][0].lo == 1 and out[0][3] - out[0][2] <= _SMALL_SGES:
         chunk, _hi, a, b, checked = out[0]
-        buffers, total = _frame_one(chunk, a, b, checked)
-        return Round(None, buffers, total, pinned, None), presets, True
+        rnd = _frame_one(chunk, a, b, checked)
+        rnd.pinned = pinned
+        return rnd, presets, True
     if not out:
         return Round(None, None, 0, pinned, None), presets, False
     iov, total, heads = _frame(out)
@@ -258,29 +280,86 @@ def send_loop(st: PairState, sock: socket.socket) -> None:
                     rnd.unpin()
 
 
-def ring_locked(st: PairState, sock: socket.socket) -> None:
-    """The doorbell: send what was just posted from the posting thread, without blocking.
+def ring_locked(st: PairState) -> Round | None:
+    """The doorbell, first half: take, check and frame what was just posted, on the posting thread.
 
     The caller holds ``lock`` and ``tx_lock`` (taken without waiting), found the
-    sender idle and the pair without hooks (so nothing here sleeps). What the
-    socket does not take at once is left in ``st.tx_pending`` for the sender
-    thread, which the caller then wakes. Under the one lock, a small post costs
-    a single lock round trip, as a doorbell write should.
+    sender idle and the pair without hooks (so nothing here sleeps). It then
+    releases ``lock`` and writes the round with ``ring`` while still holding
+    ``tx_lock``: the socket call never runs under the pair lock, which the
+    receiver needs for every completion.
     """
     chunks = st.take_locked(INLINE_BYTES)
     if not chunks:
-        return
+        return None
     try:
         rnd, presets, anything = _build(st, chunks)
     except Exception:
         log.exception("tcp qp %d: posting failed", st.qp_num)
         st.fail_locked(WcStatus.GENERAL_ERR, 0)  # what was taken completes (flushed), nothing hangs
-        return
+        return None
     if not st.settle_locked(chunks, presets) or not anything:
         rnd.unpin()
-        return
+        return None
+    return rnd
+
+
+def ring_one_locked(st: PairState, batch: WorkBatch) -> Round | None:
+    """The doorbell for the single read or write (one request, one SGE, an idle sender): admit,
+    take, check, frame and settle it at once, without the span, the presets and the chunk list of
+    the general path. None (nothing changed) when it is not that case or its local check fails: the
+    general path then takes it and reports the failure as it always does.
+
+    The caller holds ``lock`` and ``tx_lock``, found the sender idle, the pair in RTS and without
+    hooks, and writes the round with ``ring`` after releasing ``lock``.
+    """
+    op = batch.opcode.item(0)
+    a = batch.sge_start.item(0)
+    if batch.sge_start.item(1) - a != 1:
+        return None
+    length = batch.length.item(0)
+    is_read = op == _READ
+    if not is_read and (op != _WRITE or length > INLINE_BYTES):
+        return None
+    addr, size = batch.sge_addr.item(a), batch.sge_length.item(a)
+    checked = st.regions.check_local_one(batch.sge_lkey.item(a), addr, size, write=is_read)
+    if not checked.first_bad:
+        return None
+    if not is_read:
+        checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
+        if not checked.first_bad:
+            return None
+    region = checked.found[0]
+    assert region is not None
+    seq = st.posted
+    st.posted = seq + 1
+    chunk = Chunk(batch, 0, 1, seq)
+    chunk.sent = True
+    wire = st.wire
+    wire.append(chunk)
+    if wire[0] is chunk:
+        st.recv_cv.notify()  # the receiver waits only while the head is unsent
+    head = _HEAD1.pack(op, 0, 0, seq & SEQ_MASK, 1, 0, batch.rkey.item(0), 0, batch.remote_addr.item(0), length)
+    off = addr - region.addr
+    view = region.view[off : off + size]
+    blocks = [(addr, size)]
+    if is_read:
+        chunk.local = checked
+        chunk.views = [view]
+        chunk.blocks = blocks
+        return Round(None, [head], len(head), [], None, [])
+    return Round(None, [head, view], len(head) + size, [checked], None, blocks)
+
+
+def ring(st: PairState, sock: socket.socket, rnd: Round) -> None:
+    """The doorbell, second half: write ``rnd`` without blocking (the caller holds ``tx_lock``, not
+    ``lock``). What the socket does not take at once is left in ``st.tx_pending`` for the sender
+    thread, which is woken. A one-request round is written keeping the GIL (``HeldIo``)."""
     try:
-        if rnd.buffers is not None:
+        if rnd.blocks is not None and len(rnd.blocks) <= HeldIo.MAX_BLOCKS:
+            assert rnd.buffers is not None
+            sent = max(0, st.held.send(sock.fileno(), rnd.buffers[0], rnd.blocks))  # type: ignore[arg-type]
+        elif rnd.buffers is not None:
             sent = sock.sendmsg(rnd.buffers, (), _DONTWAIT | _NOSIGNAL)
         else:
             assert rnd.iov is not None
@@ -289,16 +368,17 @@ def ring_locked(st: PairState, sock: socket.socket) -> None:
         sent = 0
     except OSError:
         rnd.unpin()
-        if st.state == _RTS:
-            st.fail_locked(WcStatus.RETRY_EXC_ERR, VendorErr.PEER_RESET)
+        st.peer_lost(VendorErr.PEER_RESET)
         return
     if sent == rnd.total:
         rnd.unpin()
         return
     if rnd.buffers is not None:
-        rest = advance_buffers(rnd.buffers, sent)
-        st.tx_pending = PendingWrite(None, rest, 0, rnd.total - sent, rnd.unpin, None)
+        pending = PendingWrite(None, advance_buffers(rnd.buffers, sent), 0, rnd.total - sent, rnd.unpin, None)
     else:
         assert rnd.iov is not None
         start = advance(rnd.iov, 0, sent)
-        st.tx_pending = PendingWrite(rnd.iov, None, start, rnd.total - sent, rnd.unpin, rnd.heads)
+        pending = PendingWrite(rnd.iov, None, start, rnd.total - sent, rnd.unpin, rnd.heads)
+    with st.lock:
+        st.tx_pending = pending
+        st.send_cv.notify()

@@ -1,0 +1,65 @@
+"""Pieces the software NICs (the TCP and CMA backends) share: the checks a post makes on a batch's
+shape, and the folding of a run of successes into completions for its signaled requests.
+
+Both NICs complete in posting order and push only signaled requests' completions, each carrying
+the send-queue slots it frees: itself, and the unsignaled successes before it that no completion
+covered yet (``uncovered``), as a verbs CQE covers the unsignaled WRs before it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from ..status import Opcode, WcStatus
+from ..work import WorkBatch, WorkCompletion
+
+__all__ = ["Completions", "check_shape", "fold_successes"]
+
+Completions = list[tuple[WorkCompletion, int]]
+"""Completions with the slots each frees once polled."""
+
+_WRITE = int(Opcode.RDMA_WRITE)
+_READ = int(Opcode.RDMA_READ)
+_OPCODES = {int(o): o for o in Opcode}
+_SUCCESS = WcStatus.SUCCESS
+
+
+def check_shape(batch: WorkBatch, max_sge: int, qp_num: int) -> None:
+    """What a post refuses before anything is admitted: an opcode other than RDMA READ and WRITE,
+    and a request with more than ``max_sge`` scatter entries. Raises InvalidArgument."""
+    n = len(batch)
+    ops = batch.opcode
+    if n == 1:  # the single read or write: plain integers, no array work
+        op = ops.item(0)
+        if op != _WRITE and op != _READ:
+            raise InvalidArgument(f"unsupported opcode {op}")
+        if int(batch.sge_start[1]) - int(batch.sge_start[0]) > max_sge:
+            raise InvalidArgument(f"{int(batch.sge_start[1])} SGEs, qp {qp_num} takes at most {max_sge}")
+    elif n:
+        if not bool(((ops == _WRITE) | (ops == _READ)).all()):
+            raise InvalidArgument(f"unsupported opcode {int(ops[(ops != _WRITE) & (ops != _READ)][0])}")
+        most = int(np.diff(batch.sge_start).max())
+        if most > max_sge:
+            raise InvalidArgument(f"{most} SGEs, qp {qp_num} takes at most {max_sge}")
+
+
+def fold_successes(batch: WorkBatch, a: int, b: int, uncovered: int, qp_num: int) -> tuple[Completions, int]:
+    """Requests ``a:b`` of ``batch`` succeeded, in order, after ``uncovered`` successes no completion
+    covered yet: a completion for each signaled one (O(signaled), not O(requests)), each with the
+    slots it frees, and the successes left uncovered after them."""
+    if b - a == 1:
+        if not batch.signaled.item(a):
+            return [], uncovered + 1
+        signaled = [a]
+    else:
+        signaled = (np.flatnonzero(batch.signaled[a:b]) + a).tolist()
+        if not signaled:
+            return [], uncovered + b - a
+    out: Completions = []
+    prev = a - 1 - uncovered
+    ops, lengths, first = batch.opcode, batch.length, batch.wr_id
+    for i in signaled:
+        out.append((WorkCompletion(first + i, _SUCCESS, _OPCODES[ops.item(i)], lengths.item(i), qp_num), i - prev))
+        prev = i
+    return out, b - 1 - prev
