@@ -194,3 +194,22 @@ def test_matches_a_reference_model(ops: list[tuple[str, object]]) -> None:
             assert readable(q.fileno()) is pending
     finally:
         q.close()
+
+
+def test_a_channel_on_fd_0_still_wakes() -> None:
+    """A daemon started with stdin closed gets fd 0 for its first eventfd: 0 is a valid channel."""
+    saved = os.dup(0)
+    try:
+        os.close(0)
+        q = SoftCompletionQueue(4)
+        try:
+            assert q.fileno() == 0 and not q.closed
+            q.req_notify()
+            q.push(wc(1), Owner(), 1)
+            assert readable(0), "the wakeup of a channel on fd 0 was skipped"
+            assert q.get_event() is True
+        finally:
+            q.close()
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
