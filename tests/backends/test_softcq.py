@@ -210,6 +210,8 @@ def test_a_channel_on_fd_0_still_wakes() -> None:
             assert q.get_event() is True
         finally:
             q.close()
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(0)  # closed, not leaked
     finally:
         os.dup2(saved, 0)
         os.close(saved)
