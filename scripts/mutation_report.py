@@ -40,7 +40,7 @@ def main(modules: list[str]) -> int:
     wanted = {m.removesuffix(".py") for m in modules}
     equivalent = equivalents(Path("tests/mutation-equivalent.txt"))
     rows = []
-    survivors: list[tuple[str, str]] = []
+    survivors: list[tuple[str, str, int | None]] = []
     for meta in metas:
         module = str(meta.relative_to("mutants")).removesuffix(".py.meta")
         if wanted and module not in wanted:
@@ -53,7 +53,7 @@ def main(modules: list[str]) -> int:
             kind = "equivalent" if name in equivalent else KILLED.get(code) or OTHER.get(code, "suspicious")
             status[kind] += 1
             if kind in ("survived", "no tests", "suspicious"):
-                survivors.append((name, kind))
+                survivors.append((name, kind, code))
         checked = sum(n for kind, n in status.items() if kind not in ("not checked", "equivalent", "skipped"))
         killed = status["killed"] + status["timeout"]
         rows.append((module, len(codes), status, killed, checked))
@@ -82,8 +82,9 @@ def main(modules: list[str]) -> int:
         )
     if survivors:
         print("\nnot killed (python3 -m mutmut show NAME for the diff):")
-        for name, kind in survivors:
-            print(f"  {kind:10} {name}")
+        for name, kind, code in survivors:
+            exit_code = f" (exit code {code})" if kind == "suspicious" else ""
+            print(f"  {kind:10} {name}{exit_code}")
     return 0
 
 

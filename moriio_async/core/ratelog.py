@@ -58,6 +58,7 @@ class RateLimitedLog:
                 held = int(window[2]) if window is not None else 0
                 window = [now, 0.0, 0.0]
                 self._windows[key] = window
+                self._windows.move_to_end(key)  # assigning keeps a known key's old place: renewed is recent
                 if len(self._windows) > self._max_keys:
                     self._windows.popitem(last=False)
             else:

@@ -71,3 +71,82 @@ def test_a_token_is_the_documented_hmac_so_both_ends_and_other_implementations_a
         msg = len(purpose).to_bytes(4, "big") + purpose.encode() + serial.to_bytes(8, "big")
         assert token_for(key, purpose, serial) == hmac.new(key, msg, hashlib.sha256).digest()[:16]
     assert token_for(key, "qp", 1) != token_for(key, "qp", 2) != token_for(key, "qq", 2)
+
+
+def transcript_message(label: bytes) -> bytes:
+    """The documented transcript, written out independently: each field as a 4-byte big-endian length
+    and its bytes, in this order: the protocol tag, the label, the dialer's key, incarnation (8 bytes,
+    big-endian) and nonce, then the listener's."""
+
+    def field(data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + data
+
+    return b"".join(
+        field(x)
+        for x in (
+            b"moriio-async/1",
+            label,
+            b"decode-0",
+            (7).to_bytes(8, "big"),
+            b"a" * 32,
+            b"prefill-0",
+            (9).to_bytes(8, "big"),
+            b"b" * 32,
+        )
+    )
+
+
+def test_proofs_and_the_session_key_are_the_documented_hmacs() -> None:
+    """Both ends computing the same (wrong) thing would pass every round-trip test: pin the construction,
+    and known answers a second implementation can check itself against."""
+    import hashlib
+    import hmac
+
+    t = transcript()
+    for role in ("dialer", "listener"):
+        expected = hmac.new(SECRET, transcript_message(b"proof:" + role.encode()), hashlib.sha256).digest()
+        assert t.proof(SECRET, role) == expected
+    assert t.session_key(SECRET) == hmac.new(SECRET, transcript_message(b"session"), hashlib.sha256).digest()
+    assert t.proof(SECRET, "dialer").hex() == "9953e749ab6334e8953cfe886d444004d3242cc328bb7549999aba22d4472987"
+    assert t.proof(SECRET, "listener").hex() == "ae1a7338c284cd0902daadcfaed0f21b93101151937570d3eafb47706bbf4083"
+    assert t.session_key(SECRET).hex() == "d5016f113ab0b29cf8a85e62c744e1c4e7a245c683c9abdf8d7d9319fb671a0e"
+
+
+def test_an_unknown_role_is_refused_and_verify_checks_the_proof_bytes() -> None:
+    t = transcript()
+    for role in ("", "Dialer", "session", "proof:dialer"):
+        with pytest.raises(ValueError, match=f"^role {role!r}$"):
+            t.proof(SECRET, role)
+    proof = t.proof(SECRET, "listener")
+    assert t.verify(SECRET, "listener", proof)
+    assert not t.verify(SECRET, "listener", proof[:-1])
+    assert not t.verify(SECRET, "listener", proof[:-1] + bytes([proof[-1] ^ 1]))
+    assert not t.verify(SECRET, "listener", b"")
+
+
+def test_a_nonce_is_32_fresh_bytes() -> None:
+    nonces = {new_nonce() for _ in range(64)}
+    assert len(nonces) == 64
+    assert {len(n) for n in nonces} == {32}
+
+
+def test_the_secret_boundary_types_and_the_error_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_secret(b"k" * 16, {}) == b"k" * 16  # exactly the minimum
+    assert load_secret("é" * 8, {}) == "é".encode() * 8  # UTF-8: 16 bytes from 8 characters
+    with pytest.raises(InvalidArgument) as info:
+        load_secret("k" * 15, {})
+    assert "the shared secret has 15 bytes; use at least 16" in str(info.value)
+    assert info.value.hint == 'generate one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))"'
+    with pytest.raises(InvalidArgument, match="has 0 bytes"):
+        load_secret(b"", {"MORIIO_ASYNC_SECRET": "e" * 20})  # given, even empty: the environment is not read
+    # No mapping given: the process environment; an empty variable means no secret, not a short one.
+    monkeypatch.setenv("MORIIO_ASYNC_SECRET", "v" * 18)
+    assert load_secret(None) == b"v" * 18
+    assert load_secret(None, {}) is None  # a mapping given: the process environment is not read
+    monkeypatch.setenv("MORIIO_ASYNC_SECRET", "")
+    assert load_secret(None) is None
+    assert load_secret(None, {"MORIIO_ASYNC_SECRET": ""}) is None
+    monkeypatch.delenv("MORIIO_ASYNC_SECRET")
+    assert load_secret(None) is None
+    with pytest.raises(InvalidArgument, match="has 3 bytes"):
+        load_secret(None, {"MORIIO_ASYNC_SECRET": "abc"})

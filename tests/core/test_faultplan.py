@@ -75,9 +75,12 @@ def test_statuses_are_read_by_name_in_any_case_or_by_number() -> None:
     ("rule", "needle"),
     [
         ([], "a fault rule is a JSON object, not []"),
-        ({"action": "delay", "when": 1}, "unknown fault rule field(s) ['when']; known: ['action', 'qp',"),
+        (
+            {"action": "delay", "when": 1},
+            "unknown fault rule field(s) ['when']; known: ['action', 'qp', 'seconds', 'status', 'wr']",
+        ),
         ({"action": "explode"}, "fault action 'explode' is not one of ['delay', 'status', 'drop', 'stall', 'kill']"),
-        ({}, "fault action None is not one of"),
+        ({}, "fault action None is not one of ['delay', 'status', 'drop', 'stall', 'kill']"),
         ({"action": "delay", "seconds": "1"}, "fault rule seconds must be a number, not '1'"),
         ({"action": "delay", "seconds": True}, "fault rule seconds must be a number, not True"),
         ({"action": "delay", "seconds": -1}, "fault rule seconds must be finite and >= 0, not -1.0"),
@@ -91,25 +94,28 @@ def test_statuses_are_read_by_name_in_any_case_or_by_number() -> None:
 def test_a_bad_rule_is_refused_saying_what_is_wrong(rule: object, needle: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         FaultRule.from_dict(rule)  # type: ignore[arg-type]
-    assert needle in str(info.value)
+    assert str(info.value) == needle
 
 
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ("not json", "a fault plan must be JSON"),
-        (b"\xff\xfe", "a fault plan must be JSON"),
+        ("not json", "a fault plan must be JSON: Expecting value: line 1 column 1 (char 0)"),
+        (b"\xff\xfe", "a fault plan must be JSON: Expecting value: line 1 column 1 (char 0)"),
         ("[]", 'a fault plan is a JSON object {"rules": [...], "about": "..."}'),
-        ('{"rules": {}}', "a fault plan is a JSON object"),
+        ('{"rules": {}}', 'a fault plan is a JSON object {"rules": [...], "about": "..."}'),
         ('{"rules": [], "extra": 1}', "unknown fault plan field(s) ['extra']"),
         ('{"rules": [], "about": 3}', "fault plan 'about' must be a string"),
-        ('{"rules": [{"action": "nope"}]}', "fault action 'nope' is not one of"),
+        (
+            '{"rules": [{"action": "nope"}]}',
+            "fault action 'nope' is not one of ['delay', 'status', 'drop', 'stall', 'kill']",
+        ),
     ],
 )
 def test_a_bad_plan_is_refused_saying_what_is_wrong(text: str | bytes, needle: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         FaultPlan.loads(text)
-    assert needle in str(info.value)
+    assert str(info.value) == needle
 
 
 def test_each_side_gets_its_own_rules_in_order_and_matching_picks_pair_and_request() -> None:
@@ -128,3 +134,16 @@ def test_each_side_gets_its_own_rules_in_order_and_matching_picks_pair_and_reque
     drop = rules[3]
     assert drop.matches(1, 2) and not drop.matches(1, 3) and not drop.matches(0, 2)
     assert rules[1].matches(5, 9) and rules[0].matches(0, 9) and not rules[0].matches(1, 0)
+
+
+def test_a_rule_built_directly_checks_its_action_seconds_and_status() -> None:
+    for args, message in (
+        (("explode",), "unknown fault action 'explode'"),
+        ((Action.DELAY, None, None, float("inf")), "fault rule seconds must be finite and >= 0, not inf"),
+        ((Action.STATUS, 0, 0, 0.0, WcStatus.SUCCESS), "a status fault needs an error status, not SUCCESS"),
+    ):
+        with pytest.raises(InvalidArgument) as info:
+            FaultRule(*args)  # type: ignore[arg-type]
+        assert str(info.value) == message
+    assert FaultRule(Action.DELAY, seconds=0.0).seconds == 0.0  # zero is allowed
+    assert FaultRule(Action.DELAY, status=WcStatus.SUCCESS).status is WcStatus.SUCCESS  # only status rules care

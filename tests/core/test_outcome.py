@@ -43,7 +43,7 @@ def test_the_first_root_cause_is_the_outcome(statuses: list[WcStatus], expected:
 def test_a_completion_beyond_the_requests_is_refused() -> None:
     outcome = Outcome(1)
     assert outcome.add(1, S) is True
-    with pytest.raises(RuntimeError, match="more completions than work requests"):
+    with pytest.raises(RuntimeError, match=r"^more completions than work requests$"):
         outcome.add(1, S)
     assert outcome.remaining == 0
 

@@ -138,3 +138,147 @@ def test_post_one_posts_as_enqueue_then_take_postable_would(depth: int, steps: l
             posted_a += flat(a.take_postable())
             posted_b += flat(b.take_postable())
     assert (a.in_flight, a.waiting) == (b.in_flight, b.waiting)
+
+
+def test_a_depth_below_one_and_an_empty_owner_are_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match=r"^send-queue depth must be >= 1$"):
+        SendQueue(0)
+    q: SendQueue[str] = SendQueue(1)
+    assert (q.depth, q.signal_every, q.free_slots) == (1, 1, 1)
+    with pytest.raises(ValueError, match=r"^an owner queues at least one request$"):
+        q.enqueue("a", 0)
+    assert q.idle and q.waiting == 0
+
+
+def test_wr_ids_start_at_one_or_where_told_and_signal_every_is_a_quarter_of_the_depth() -> None:
+    q: SendQueue[str] = SendQueue(7)
+    assert q.signal_every == 1
+    q.enqueue("a", 2)
+    assert [(c.wr_id, c.start, c.stop) for c in q.take_postable()] == [(1, 0, 2)]
+    r: SendQueue[str] = SendQueue(13, first_wr_id=100)
+    assert r.signal_every == 3
+    assert r.post_one("x") == 100
+    r.enqueue("a", 8)
+    (chunk,) = r.take_postable()
+    assert chunk.wr_id == 101
+    assert chunk.signaled.tolist() == [False, False, True, False, False, True, False, True]
+    assert (r.in_flight, r.waiting, r.free_slots) == (9, 0, 4)
+
+
+def test_post_one_refuses_when_something_waits_the_queue_is_full_or_failed() -> None:
+    q: SendQueue[str] = SendQueue(2)
+    assert q.post_one("a") == 1
+    assert q.post_one("b") == 2
+    assert q.post_one("c") is None  # full
+    assert q.in_flight == 2 and q.waiting == 0
+    assert q.complete(1, WcStatus.SUCCESS) == [("a", 1, WcStatus.SUCCESS)]
+    q.enqueue("d", 1)
+    assert q.post_one("e") is None  # d waits: e would overtake it
+    assert flat(q.take_postable()) == [("d", 0, 3, True)]
+    assert q.complete(2, WcStatus.REM_ACCESS_ERR) == [("b", 1, WcStatus.REM_ACCESS_ERR)]
+    assert q.post_one("f") is None  # failed, though a slot is free
+    assert q.free_slots == 1
+
+
+def test_a_run_cut_by_a_full_queue_keeps_counting_towards_its_signal() -> None:
+    """An owner's requests split over two postings: the unsignaled run carries over, so the next
+    signal still comes ``signal_every`` requests after the last one."""
+    q: SendQueue[str] = SendQueue(8)  # signal every 2
+    q.enqueue("a", 11)
+    first = q.take_postable()
+    assert [(c.start, c.stop, c.signaled.tolist()) for c in first] == [(0, 8, [False, True] * 4)]
+    assert q.complete(first[0].wr_id + 2, WcStatus.SUCCESS) == [("a", 2, WcStatus.SUCCESS), ("a", 1, WcStatus.SUCCESS)]
+    second = q.take_postable()
+    assert [(c.start, c.stop, c.wr_id, c.signaled.tolist()) for c in second] == [(8, 11, 9, [False, True, True])]
+    q.enqueue("b", 3)
+    assert q.take_postable() == []  # full: 5 + 3 in flight
+    assert q.complete(11, WcStatus.SUCCESS) == [
+        ("a", 5, WcStatus.SUCCESS),  # the whole first span
+        ("a", 2, WcStatus.SUCCESS),  # the second span's requests before the named one
+        ("a", 1, WcStatus.SUCCESS),
+    ]
+    q2: SendQueue[str] = SendQueue(8)
+    q2.enqueue("a", 3)  # its last request is signaled, so b's run starts from 0
+    q2.enqueue("b", 5)
+    assert [c.signaled.tolist() for c in q2.take_postable()] == [[False, True, True], [False, True, False, True, True]]
+
+
+def test_after_a_failure_earlier_requests_are_flushes_and_the_pair_can_be_reset() -> None:
+    import pytest
+
+    q: SendQueue[str] = SendQueue(8)
+    q.enqueue("a", 3)
+    q.enqueue("b", 3)
+    q.enqueue("c", 4)
+    q.take_postable()
+    assert q.complete(2, WcStatus.RETRY_EXC_ERR) == [("a", 1, WcStatus.SUCCESS), ("a", 1, WcStatus.RETRY_EXC_ERR)]
+    assert q.failed
+    # The backend reports every request itself once failed: an earlier one covered by a later
+    # completion is a flush, not a success.
+    assert q.complete(5, WcStatus.WR_FLUSH_ERR) == [
+        ("a", 1, WcStatus.WR_FLUSH_ERR),
+        ("b", 1, WcStatus.WR_FLUSH_ERR),
+        ("b", 1, WcStatus.WR_FLUSH_ERR),
+    ]
+    with pytest.raises(RuntimeError, match=r"^reset with requests still in flight$"):
+        q.reset()
+    assert q.flush_waiting() == []  # b's last and c's first 2 are still in flight
+    assert q.fail_all_in_flight() == [("b", 1, WcStatus.WR_FLUSH_ERR), ("c", 2, WcStatus.WR_FLUSH_ERR)]
+    assert q.in_flight == 0 and q.failed
+    assert q.flush_waiting() == [("c", 2, WcStatus.WR_FLUSH_ERR)]
+    assert q.idle
+    q.reset()
+    assert q.failed is False
+    q.enqueue("d", 2)
+    assert flat(q.take_postable()) == [("d", 0, 9, False), ("d", 1, 10, True)]
+
+
+def test_drop_waiting_removes_only_unposted_requests_and_success_does_not_fail() -> None:
+    q: SendQueue[str] = SendQueue(2)
+    q.enqueue("a", 3)
+    q.enqueue("b", 1)
+    q.take_postable()
+    assert q.drop_waiting() == [("a", 1), ("b", 1)]
+    assert (q.waiting, q.in_flight) == (0, 2)
+    assert q.flush_waiting() == []  # not failed
+    assert q.complete(2, WcStatus.SUCCESS) == [("a", 1, WcStatus.SUCCESS), ("a", 1, WcStatus.SUCCESS)]
+    assert not q.failed and q.idle and q.free_slots == 2
+    assert q.complete(2, WcStatus.SUCCESS) == []  # nothing in flight
+
+
+def test_complete_ignores_wr_ids_outside_the_in_flight_range() -> None:
+    q: SendQueue[str] = SendQueue(4, first_wr_id=10)
+    q.enqueue("a", 2)
+    q.enqueue("b", 2)
+    q.take_postable()  # wr_ids 10..13
+    assert q.complete(9, WcStatus.SUCCESS) == []
+    assert q.complete(14, WcStatus.SUCCESS) == []
+    assert q.in_flight == 4
+    assert q.complete(13, WcStatus.SUCCESS) == [
+        ("a", 2, WcStatus.SUCCESS),
+        ("b", 1, WcStatus.SUCCESS),
+        ("b", 1, WcStatus.SUCCESS),
+    ]
+    assert q.in_flight == 0
+
+
+def test_an_odd_run_left_unsignaled_carries_into_the_next_posting() -> None:
+    q: SendQueue[str] = SendQueue(8)  # signal every 2
+    assert q.failed is False
+    q.enqueue("a", 20)
+    assert [c.signaled.tolist() for c in q.take_postable()] == [[False, True] * 4]
+    q.complete(3, WcStatus.SUCCESS)  # 3 slots back
+    assert [(c.wr_id, c.signaled.tolist()) for c in q.take_postable()] == [(9, [False, True, False])]
+    q.complete(5, WcStatus.SUCCESS)  # 2 slots back; one unsignaled request (11) is pending its signal
+    assert [(c.wr_id, c.signaled.tolist()) for c in q.take_postable()] == [(12, [True, False])]
+
+
+def test_a_completion_naming_the_first_request_of_a_span_ends_the_span_before_it() -> None:
+    q: SendQueue[str] = SendQueue(4, first_wr_id=10)
+    q.enqueue("a", 2)
+    q.enqueue("b", 2)
+    q.take_postable()  # a: 10, 11; b: 12, 13
+    assert q.complete(12, WcStatus.REM_ACCESS_ERR) == [("a", 2, WcStatus.SUCCESS), ("b", 1, WcStatus.REM_ACCESS_ERR)]
+    assert q.in_flight == 1

@@ -1,0 +1,140 @@
+"""The block checks on their own: ``check_block`` (the single read/write) agrees with ``check_arrays``
+(batches) on every block, and both say exactly what is wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moriio_async.core.plan import check_arrays, check_block, merge_contiguous_blocks
+from moriio_async.errors import InvalidArgument
+
+INT64_MAX = (1 << 63) - 1
+
+
+def outcome(fn: object, *args: object) -> tuple[int, ...] | str:
+    assert callable(fn)
+    try:
+        result = fn(*args)
+    except InvalidArgument as exc:
+        return str(exc)
+    return tuple(int(x[0]) if isinstance(x, np.ndarray) else x for x in result)
+
+
+@given(
+    lo=st.integers(-3, 70),
+    ro=st.integers(-3, 140),
+    sz=st.integers(-2, 70),
+    numpy_ints=st.booleans(),
+)
+def test_check_block_agrees_with_check_arrays(lo: int, ro: int, sz: int, numpy_ints: bool) -> None:
+    args: tuple[Any, ...] = (np.int64(lo), np.int32(ro), np.int16(sz)) if numpy_ints else (lo, ro, sz)
+    single = outcome(check_block, args[0], args[1], args[2], 64, 128)
+    assert single == outcome(check_arrays, [lo], [ro], [sz], 64, 128)
+    ok = sz > 0 and lo >= 0 and ro >= 0 and lo + sz <= 64 and ro + sz <= 128
+    assert (single == (lo, ro, sz)) is ok
+    if numpy_ints and ok:
+        assert all(type(v) is int for v in check_block(args[0], args[1], args[2], 64, 128))
+
+
+def test_each_kind_of_bad_block_is_named_exactly() -> None:
+    cases: list[tuple[tuple[Any, ...], str]] = [
+        ((0, 0, 0), "block 0: size 0 must be positive"),
+        ((-1, -1, -5), "block 0: size -5 must be positive"),  # size first, whatever else is wrong
+        ((-1, 0, 1), "block 0: offsets must be >= 0 (local -1, remote 0)"),
+        ((0, -2, 1), "block 0: offsets must be >= 0 (local 0, remote -2)"),
+        ((60, 200, 8), "block 0: local range [60, 68) exceeds the local region (64 bytes)"),  # local before remote
+        ((0, 125, 4), "block 0: remote range [125, 129) exceeds the remote region (128 bytes)"),
+        ((56, 125, 8), "block 0: remote range [125, 133) exceeds the remote region (128 bytes)"),  # local ends at 64
+    ]
+    for (lo, ro, sz), message in cases:
+        variants: tuple[tuple[Any, ...], ...] = ((lo, ro, sz), (np.int64(lo), ro, sz))
+        for args in variants:
+            with pytest.raises(InvalidArgument) as info:
+                check_block(args[0], args[1], args[2], 64, 128)
+            assert str(info.value) == message
+        with pytest.raises(InvalidArgument) as info:
+            check_arrays([lo], [ro], [sz], 64, 128)
+        assert str(info.value) == message
+    assert check_block(56, 120, 8, 64, 128) == (56, 120, 8)  # both ranges end exactly at their region's end
+    assert check_block(np.uint8(56), 120, np.int64(8), 64, 128) == (56, 120, 8)  # type: ignore[arg-type]
+
+
+def test_a_value_that_is_no_integer_is_named_with_its_type() -> None:
+    singles: tuple[tuple[tuple[Any, ...], str], ...] = (
+        ((0.0, 0, 1), "local_offset is float, not an integer"),
+        ((0, "0", 1), "remote_offset is str, not an integer"),
+        ((0, 0, None), "size is NoneType, not an integer"),
+        ((0, 0, np.float64(1)), "size is float64, not an integer"),
+    )
+    for args, message in singles:
+        with pytest.raises(InvalidArgument) as info:
+            check_block(args[0], args[1], args[2], 64, 128)
+        assert str(info.value) == message
+    batches: tuple[tuple[tuple[Any, ...], str], ...] = (
+        (([0.5], [0], [1]), "local_offsets[0] is float, not an integer"),
+        (([0, 1], [0, 1.0], [1, 1]), "remote_offsets[1] is float, not an integer"),
+        (([0], [0], ["1"]), "sizes[0] is str, not an integer"),
+        ((np.zeros((1, 1), dtype=np.int64), [0], [1]), "local_offsets[0] is list, not an integer"),
+        ((np.array([0.0]), [0], [1]), "local_offsets[0] is float, not an integer"),
+    )
+    for lists, message in batches:
+        with pytest.raises(InvalidArgument) as info:
+            check_arrays(lists[0], lists[1], lists[2], 64, 128)
+        assert str(info.value) == message
+
+
+def test_batch_shape_errors_are_exact() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check_arrays([0, 1], [0], [1, 1, 1], 64, 64)
+    assert str(info.value) == "list lengths differ: 2 local offsets, 1 remote offsets, 3 sizes"
+    empties: tuple[Any, ...] = ([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64))
+    for empty in empties:
+        with pytest.raises(InvalidArgument) as info:
+            check_arrays(empty, empty, empty, 64, 64)
+        assert str(info.value) == "empty batch: give at least one block"
+
+
+def test_integer_arrays_of_any_width_and_ints_past_int64_are_read_as_int64() -> None:
+    for dtype in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64):
+        lo, ro, sz = check_arrays(np.array([0, 8], dtype=dtype), [0, 8], (8, 8), 64, 64)
+        assert lo.dtype == ro.dtype == sz.dtype == np.int64
+        assert (lo.tolist(), ro.tolist(), sz.tolist()) == ([0, 8], [0, 8], [8, 8])
+    lo, _, _ = check_arrays(np.array([INT64_MAX - 8], dtype=np.uint64), [0], [8], INT64_MAX, 64)
+    assert lo.tolist() == [INT64_MAX - 8]  # the largest uint64 an int64 holds: kept
+    # Past int64 (uint64 or a Python int): clamped to +-INT64_MAX, which exceeds any region.
+    pasts: tuple[Any, ...] = (np.array([1 << 63], dtype=np.uint64), [1 << 70])
+    for past in pasts:
+        with pytest.raises(InvalidArgument) as info:
+            check_arrays(past, [0], [8], 64, 64)
+        assert str(info.value) == (
+            f"block 0: local range [{INT64_MAX}, {INT64_MAX + 8}) exceeds the local region (64 bytes)"
+        )
+    with pytest.raises(InvalidArgument) as info:
+        check_arrays([0], [-(1 << 70)], [8], 64, 64)
+    assert str(info.value) == f"block 0: offsets must be >= 0 (local 0, remote {-INT64_MAX})"
+    with pytest.raises(InvalidArgument) as info:
+        check_arrays([0, 1 << 70], [0, 0], [8, 8], 64, 64)  # a big int after a good block
+    assert str(info.value).startswith("block 1: local range")
+
+
+def test_merge_keeps_the_input_order_of_blocks_with_the_same_local_offset() -> None:
+    """vLLM sorts with Python's (stable) sort: equal local offsets stay in input order. numpy's default
+    sort is not stable past 16 elements."""
+    lo = [(i * 7) % 5 for i in range(200)]
+    ro = [i * 1000 for i in range(200)]  # never contiguous: nothing merges
+    out_lo, out_ro, out_sz = merge_contiguous_blocks(lo, ro, [1] * 200)
+    assert out_lo == sorted(lo)
+    assert out_ro == [r for _, r in sorted(zip(lo, ro, strict=True), key=lambda b: b[0])]
+    assert out_sz == [1] * 200
+
+
+def test_merge_sums_sizes_in_int64_whatever_the_input_width() -> None:
+    sizes = np.full(3, 1 << 30, dtype=np.int32)
+    offsets = [0, 1 << 30, 2 << 30]
+    assert merge_contiguous_blocks(offsets, offsets, sizes) == ([0], [0], [3 << 30])  # type: ignore[arg-type]
+    assert merge_contiguous_blocks([], [], []) == ([], [], [])
