@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import importlib.util
 import json
 import mmap
 import multiprocessing as mp
@@ -179,13 +178,26 @@ async def measure(systems: dict[str, Batch], args: argparse.Namespace) -> list[d
     return rows
 
 
+def _mooncake_usable() -> bool:
+    """Mooncake imports here: installed, and its shared libraries load (it links libibverbs even
+    for TCP). Tried in this process, so a target process never dies on the import while this one
+    waits for its address."""
+    try:
+        import mooncake.engine  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError as exc:
+        why = "pip install 'moriio-async[bench]'" if exc.name == "mooncake" else f"{exc}"
+        if "libibverbs" in str(exc):
+            why += " (Debian: apt-get install libibverbs1)"
+        print(f"Mooncake cannot be imported ({why}): its column is skipped")
+        return False
+    return True
+
+
 async def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     pipes: dict[str, Any] = {}
-    mooncake = not args.no_mooncake and importlib.util.find_spec("mooncake") is not None
-    if not args.no_mooncake and not mooncake:
-        print("Mooncake is not installed (pip install 'moriio-async[bench]'): its column is skipped")
+    mooncake = not args.no_mooncake and _mooncake_usable()
     starts: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
         ("cma", _engine_target, ("cma",)),
         ("tcp", _engine_target, ("tcp",)),
