@@ -3,10 +3,13 @@
     python benchmarks/tcp_throughput.py                      # full grid
     python benchmarks/tcp_throughput.py --blocks 1M --depths 16 --json out.json
     python benchmarks/tcp_throughput.py --secret --blocks 1M --depths 16   # with and without a shared secret
+    python benchmarks/tcp_throughput.py --blocks 64K --batch 128 --depths 2 --rounds 5   # KV-shaped batches
 
 For each block size and each number of transfers in flight, the initiator
 issues single-block ``read``s (then ``write``s) against a target process's
-registered buffer, keeping that many outstanding, and reports GB/s. The raw
+registered buffer, keeping that many outstanding, and reports GB/s; with
+``--batch N`` each transfer is a ``batch_read``/``batch_write`` of N shuffled
+blocks that do not merge (the shape of a KV-cache transfer). The raw
 baseline moves the same bytes with ``sendall``/``recv_into`` between two
 processes over loopback with the same block size: the ceiling a TCP-carried
 one-sided transfer can reach on this machine. Both run in one invocation so
@@ -96,19 +99,37 @@ def _target(size: int, backend: str, pipe: Any, secret: str | None = None) -> No
     asyncio.run(main())
 
 
-async def windowed(session: Session, op: str, block: int, depth: int, total: int, region: int) -> float:
-    call = session.read if op == "read" else session.write
+async def windowed(session: Session, op: str, block: int, depth: int, total: int, region: int, batch: int = 1) -> float:
+    """GB/s of ``total`` bytes moved in transfers of ``batch`` blocks, ``depth`` of them in flight.
+
+    A batch's blocks are shuffled, with a block-sized gap after each, so that nothing merges:
+    ``batch`` blocks are ``batch`` work requests, the shape of a KV-cache transfer."""
     window: collections.deque[Transfer] = collections.deque()
     slots = region // block
     start = time.perf_counter()
-    for i in range(total // block):
-        off = (i % slots) * block
-        window.append(call(off, off, block))
-        if len(window) >= depth:
-            await window.popleft()
+    if batch == 1:
+        call = session.read if op == "read" else session.write
+        for i in range(total // block):
+            off = (i % slots) * block
+            window.append(call(off, off, block))
+            if len(window) >= depth:
+                await window.popleft()
+    else:
+        many = session.batch_read if op == "read" else session.batch_write
+        if 2 * batch > slots:
+            raise SystemExit(f"--batch {batch} of {block} B blocks with gaps needs more than the {region} B region")
+        rng = np.random.default_rng(7)
+        offsets = [int(o) * 2 * block for o in rng.permutation(batch)]
+        others = [int(o) * 2 * block for o in rng.permutation(batch)]
+        sizes = [block] * batch
+        for _ in range(max(1, total // (block * batch))):
+            window.append(many(offsets, others, sizes))
+            if len(window) >= depth:
+                await window.popleft()
     while window:
         await window.popleft()
-    return total / (time.perf_counter() - start) / 1e9
+    moved = total if batch == 1 else max(1, total // (block * batch)) * block * batch
+    return moved / (time.perf_counter() - start) / 1e9
 
 
 async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -126,19 +147,28 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             session = await engine.create_session(desc, peer.memory["kv"])
             await windowed(session, "read", 1 << 20, 8, 64 << 20, region)  # warm-up
             for block in args.blocks:
-                total = max(args.total, block * 16)
-                raw = raw_stream(total, block)
+                total = max(args.total, block * 16 * args.batch)
                 for depth in args.depths:
-                    row = {"block": block, "in_flight": depth, "raw_GBps": round(raw, 3)}
+                    # Raw, read and write take turns for --rounds rounds: each round's ratios come
+                    # from the same minute, so the host's drifting load cancels in their median.
+                    raws: list[float] = []
+                    got: dict[str, list[float]] = {"read": [], "write": []}
+                    for _ in range(args.rounds):
+                        raws.append(raw_stream(total, block))
+                        for op in ("read", "write"):
+                            got[op].append(await windowed(session, op, block, depth, total, region, args.batch))
+                    row: dict[str, Any] = {"block": block, "batch": args.batch, "in_flight": depth,
+                                           "raw_GBps": round(statistics.median(raws), 3)}  # fmt: skip
                     for op in ("read", "write"):
-                        gbps = await windowed(session, op, block, depth, total, region)
-                        row[f"{op}_GBps"] = round(gbps, 3)
-                        row[f"{op}_vs_raw"] = round(gbps / raw, 3)
+                        row[f"{op}_GBps"] = round(statistics.median(got[op]), 3)
+                        ratios = [g / r for g, r in zip(got[op], raws, strict=True)]
+                        row[f"{op}_vs_raw"] = round(statistics.median(ratios), 3)
                     rows.append(row)
                     print(
-                        f"{block >> 10:>6} KiB  in flight {depth:>3}  raw {raw:6.2f}  "
+                        f"{block >> 10:>6} KiB x {args.batch:<4} in flight {depth:>3}  raw {row['raw_GBps']:6.2f}  "
                         f"read {row['read_GBps']:6.2f} ({row['read_vs_raw']:.0%})  "
-                        f"write {row['write_GBps']:6.2f} ({row['write_vs_raw']:.0%})  GB/s",
+                        f"write {row['write_GBps']:6.2f} ({row['write_vs_raw']:.0%})  GB/s"
+                        + (f"  (medians of {args.rounds} rounds)" if args.rounds > 1 else ""),
                         flush=True,
                     )
             await engine.notify("bench-target", b"done")
@@ -150,7 +180,7 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def region_size(args: argparse.Namespace) -> int:
-    region = max(args.blocks) * max(args.depths)
+    region = max(args.blocks) * max(max(args.depths), 2 * args.batch)
     return int(min(max(region, 64 << 20), 1 << 30))
 
 
@@ -178,10 +208,10 @@ async def measure_once(args: argparse.Namespace, secret: str) -> dict[tuple[int,
             session = await engine.create_session(desc, peer.memory["kv"])
             await windowed(session, "read", 1 << 20, 8, 64 << 20, region)  # warm-up
             for block in args.blocks:
-                total = max(args.total, block * 16)
+                total = max(args.total, block * 16 * args.batch)
                 for depth in args.depths:
                     for op in ("read", "write"):
-                        out[(block, depth, op)] = await windowed(session, op, block, depth, total, region)
+                        out[(block, depth, op)] = await windowed(session, op, block, depth, total, region, args.batch)
             await engine.notify("bench-target", b"done")
     finally:
         proc.join(10)
@@ -235,8 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", default="tcp")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--secret", action="store_true", help="compare engines with and without a shared secret")
-    parser.add_argument("--rounds", type=int, default=3, help="with --secret: alternating rounds (median of each)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="alternating rounds, median of each and of the per-round ratios (default 3 with "
+                             "--secret, else 1)")  # fmt: skip
+    parser.add_argument("--batch", type=int, default=1,
+                        help="blocks per transfer (batch_read/batch_write of shuffled blocks that do not merge; "
+                             "default 1: single-block read/write)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.secret else 1
     args.blocks = [parse_size(b) for b in args.blocks]
     if args.secret:
         print(f"moriio_async {args.backend} backend, with and without a shared secret, python {sys.version.split()[0]}")
