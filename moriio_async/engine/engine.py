@@ -352,6 +352,7 @@ class IOEngine:
             "incarnation": self.incarnation,
             "transports": list(running.transports.names) if running is not None else [],
             "peer_transports": running.peers.chosen_transports() if running is not None else {},
+            "answering_transports": running.peers.answering_transports() if running is not None else {},
             "sessions": len(self._sessions),
             "regions": len(self._memory),
             "outstanding": router.outstanding if router is not None else 0,

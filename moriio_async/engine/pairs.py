@@ -162,6 +162,9 @@ class PairBroker:
                 raise ControlPlaneError("the link closed while the answering queue pair connected")
         finally:
             self._links.unreserve_answering(link)
+        peer = self._links.engine_of(link)
+        if peer is not None:
+            self.choices.answered(peer, transport.name)
         return QpReady(qp=qp.qp_num, endpoint=dict(qp.endpoint()))
 
     def close_all(self) -> None:

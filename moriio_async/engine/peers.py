@@ -182,6 +182,10 @@ class PeerTable:
         """Peer key -> the transport its new sessions use."""
         return self._pairs.choices.chosen()
 
+    def answering_transports(self) -> dict[str, str]:
+        """Peer key -> the transport of the pairs it opened to this engine (the target's view)."""
+        return self._pairs.choices.answering()
+
     def close_qp(self, qp: QueuePair) -> None:
         """Close a pair ``open_qp`` gave, and tell the peer to close its answering pair (no wait)."""
         opened = self._pairs.close(qp)

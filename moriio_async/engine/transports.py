@@ -180,6 +180,8 @@ class _Choice:
     incarnation: int
     refused: set[str] = field(default_factory=set)
     chosen: str | None = None
+    answered: str | None = None
+    """The transport of the last pair the peer opened to this engine (its sessions' choice)."""
 
 
 class PeerChoices:
@@ -242,3 +244,11 @@ class PeerChoices:
     def chosen(self) -> dict[str, str]:
         """Peer key -> the transport its sessions use (peers with a choice made)."""
         return {key: c.chosen for key, c in self._choices.items() if c.chosen is not None}
+
+    def answered(self, peer: EngineDesc, transport: str) -> None:
+        """``peer`` opened a pair to this engine over ``transport`` (the target's side of its choice)."""
+        self._entry(peer).answered = transport
+
+    def answering(self) -> dict[str, str]:
+        """Peer key -> the transport of the pairs it opens to this engine (peers that opened any)."""
+        return {key: c.answered for key, c in self._choices.items() if c.answered is not None}

@@ -122,9 +122,11 @@ class Instance:
 
     @property
     def backend(self) -> str:
-        """The transports its sessions use ("cma", or "cma+tcp" with peers on other hosts), once it has
-        any; before, the engine's preferred backend."""
-        used = sorted(set(self.engine.statistics()["peer_transports"].values()))
+        """The transports its KV moves over ("cma", or "cma+tcp" with peers on other hosts): its own
+        sessions' and those of the peers that opened pairs to it; before any, the engine's preferred
+        backend."""
+        stats = self.engine.statistics()
+        used = sorted({*stats["peer_transports"].values(), *stats["answering_transports"].values()})
         return "+".join(used) if used else self.engine.backend_name
 
     def engine_ref(self) -> EngineRef:

@@ -61,6 +61,8 @@ async def round_trip(a: IOEngine, b: IOEngine) -> str:
     assert stats["transport"] == session.transport
     assert f"over {session.transport}" in repr(session)
     assert a.statistics()["peer_transports"][b.key] == session.transport
+    # The target knows it too: the pairs a opened to it run on that transport.
+    assert b.statistics()["answering_transports"][a.key] == session.transport
     return session.transport
 
 
