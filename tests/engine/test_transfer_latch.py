@@ -212,8 +212,11 @@ async def test_a_single_awaiter_wakes_with_the_failure() -> None:
 async def test_a_wait_that_times_out_leaves_the_transfer_running() -> None:
     t = make()
     t.start(1)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
     with pytest.raises(TimeoutError):
-        await t.wait(0.001)
+        await asyncio.wait_for(t.wait(0.001), 5)
+    assert loop.time() - began < 2  # its own deadline, not the guard's
     assert surface(t) == (2, "", False, True, False, False, False)
     t.settle(1, WcStatus.SUCCESS)
     await asyncio.wait_for(t.wait(), 5)
