@@ -262,6 +262,7 @@ async def test_the_only_done_callback_runs_and_can_be_removed() -> None:
     log: list[str] = []
     t = make()
     t.add_done_callback(lambda _t: log.append("only"))
+    assert t._on_end is None  # one callback (the router's) takes a slot, not a list: no object per transfer
     t.fail(StatusCode.ERR_BAD_STATE, "x")
     assert log == ["only"]
     u = make()
