@@ -373,3 +373,23 @@ async def test_wait_idle_returns_once_everything_completed() -> None:
     await asyncio.sleep(0)
     ch.abandon_waiting(StatusCode.ERR_BAD_STATE, "x", "y")
     await asyncio.wait_for(w3, 5)
+
+
+async def test_a_jobs_columns_have_the_types_work_batch_declares() -> None:
+    t = transfer()
+    plan = Plan(
+        np.array([0, 100], dtype=np.int64),
+        np.array([10, 20], dtype=np.int64),
+        np.array([0, 1, 2], dtype=np.int64),
+        np.array([0, 50], dtype=np.int64),
+        np.array([10, 20], dtype=np.int64),
+    )
+    for job in (
+        Job(t, plan, Opcode.RDMA_READ, local_addr=1000, lkey=7, remote_addr=5000, rkey=9),
+        single(t, Opcode.RDMA_READ),
+        single(t, Opcode.RDMA_WRITE),
+    ):
+        b = job.chunk(0, len(job), 1, np.ones(len(job), dtype=np.bool_))
+        dtypes = [a.dtype for a in (b.opcode, b.remote_addr, b.rkey, b.length, b.sge_addr, b.sge_length, b.sge_lkey)]
+        assert dtypes == [np.uint8, np.uint64, np.uint32, np.uint64, np.uint64, np.uint64, np.uint32]
+        assert b.sge_start.dtype == np.int64

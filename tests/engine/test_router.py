@@ -268,3 +268,26 @@ async def test_statistics_add_up_the_readers(pipe_fd: int) -> None:
     only_fd.start()
     assert not only_fd.statistics().reader.fallback_polling
     only_fd.close()
+
+
+async def test_fallback_polling_goes_on_while_a_transfer_is_outstanding() -> None:
+    loop = asyncio.get_running_loop()
+    cq = FakeCQ()
+    router = CompletionRouter(loop, cq)
+    log: list[Any] = []
+    router.attach(FakeChannel(3, log, "a"))  # type: ignore[arg-type]
+    router.start()
+    router.track(transfer(loop), Pin())
+    router.kick()
+    for _ in range(500):  # the first timer poll finds nothing
+        await asyncio.sleep(0.001)
+        if router.statistics().reader.wakeups:
+            break
+    assert router.statistics().reader.wakeups >= 1 and not log
+    cq.queue = [wc(1, 3)]  # no kick: found by the next poll, because a transfer is outstanding
+    for _ in range(1000):
+        await asyncio.sleep(0.001)
+        if log:
+            break
+    assert log == [("a", 1), ("a", "resume")]
+    router.close()
