@@ -258,15 +258,15 @@ async def test_a_closed_channel_stays_closed_when_a_failure_comes_back() -> None
 
 
 async def test_a_replacement_pair_posts_what_waited() -> None:
-    ch, _ = make(depth=1)
+    idle: list[QpChannel] = []
+    ch, _ = make(depth=1, on_failed_idle=idle.append)
     a, b = transfer(1), transfer(2)
     ch.submit(single(a))
     ch.submit(single(b))
     ch.on_completion(wc(1, WcStatus.RETRY_EXC_ERR))  # nothing in flight: b flushes at once
     assert b.Failed()
+    idle.clear()  # whatever the failure itself reported: what counts is the next submit
     c = transfer(3)
-    idle: list[QpChannel] = []
-    ch._on_failed_idle = idle.append
     ch.submit(single(c))
     assert idle == [ch] and ch.waiting == 1
     new = FakeQP(qp_num=88, depth=1)
