@@ -138,3 +138,22 @@ def test_merge_sums_sizes_in_int64_whatever_the_input_width() -> None:
     offsets = [0, 1 << 30, 2 << 30]
     assert merge_contiguous_blocks(offsets, offsets, sizes) == ([0], [0], [3 << 30])  # type: ignore[arg-type]
     assert merge_contiguous_blocks([], [], []) == ([], [], [])
+
+
+def test_merge_reads_narrow_integer_arrays_as_int64() -> None:
+    """In uint8, remote 200 + size 100 wraps to 44: the two blocks below would look contiguous on
+    both sides and merge. Read as int64 they are not contiguous remotely, so nothing merges."""
+    u8 = np.uint8
+    got = merge_contiguous_blocks(
+        np.array([0, 100], dtype=u8),  # type: ignore[arg-type]
+        np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
+        np.array([100, 10], dtype=u8),  # type: ignore[arg-type]
+    )
+    assert got == ([0, 100], [200, 44], [100, 10])
+
+
+def test_merge_checks_each_block_against_the_size_of_the_one_before() -> None:
+    # Three blocks of different sizes contiguous on both sides: one block.
+    assert merge_contiguous_blocks([0, 4, 12], [100, 104, 112], [4, 8, 4]) == ([0], [100], [16])
+    # The third is local-contiguous with the second (4 + 8) but remote-contiguous only with the first's size.
+    assert merge_contiguous_blocks([0, 4, 12], [100, 104, 108], [4, 8, 4]) == ([0, 12], [100, 108], [12, 4])

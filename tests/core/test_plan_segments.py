@@ -1,0 +1,52 @@
+"""``plan_segments`` and ``Plan.segments``, the planner's list form: inputs of any integer width, and a
+``Plan`` whose arrays disagree in length is refused rather than cut short."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from moriio_async.core.plan import Plan, Segment, plan_segments
+
+
+def i64(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def test_plan_segments_reads_narrow_integer_arrays_as_int64() -> None:
+    """In uint8, remote 200 + size 100 wraps to 44, which would make the second block continue the
+    first's remote range. As int64 the blocks are two requests, in remote order."""
+    u8 = np.uint8
+    segs = plan_segments(
+        np.array([0, 10], dtype=u8),  # type: ignore[arg-type]
+        np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
+        np.array([100, 10], dtype=u8),  # type: ignore[arg-type]
+        max_sge=4,
+        max_wr_bytes=1 << 20,
+    )
+    assert segs == [Segment(44, 10, ((10, 10),)), Segment(200, 100, ((0, 100),))]
+    assert all(type(v) is int for s in segs for v in (s.remote_offset, s.length, *sum(s.pieces, ())))
+
+
+def test_segments_of_a_consistent_plan() -> None:
+    p = Plan(i64(0, 64), i64(12, 4), i64(0, 2, 3), i64(0, 40, 8), i64(8, 4, 4))
+    assert p.segments() == [Segment(0, 12, ((0, 8), (40, 4))), Segment(64, 4, ((8, 4),))]
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        # fewer scatter lengths than scatter offsets
+        (Plan(i64(0), i64(8), i64(0, 2), i64(0, 4), i64(4)), "zip() argument 2 is shorter than argument 1"),
+        # more remote offsets than request lengths
+        (Plan(i64(0, 8), i64(8), i64(0, 1, 1), i64(0), i64(8)), "zip() argument 2 is shorter than argument 1"),
+        # more request lengths than remote offsets
+        (Plan(i64(0), i64(8, 8), i64(0, 1), i64(0), i64(8)), "zip() argument 2 is longer than argument 1"),
+    ],
+)
+def test_segments_refuses_arrays_of_different_lengths(plan: Plan, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        plan.segments()
+    assert str(info.value) == message
