@@ -72,6 +72,15 @@ def transfer(loop: asyncio.AbstractEventLoop, tid: int = 1) -> Transfer:
     return Transfer(loop, tid, Opcode.RDMA_WRITE, "b", (0,), (0,), (8,))
 
 
+def one_channel(loop: asyncio.AbstractEventLoop) -> tuple[CompletionRouter, FakeCQ, list[Any]]:
+    """A router over one fake queue, with channel "a" on queue pair 3; and the list it logs into."""
+    cq = FakeCQ()
+    router = CompletionRouter(loop, cq)
+    log: list[Any] = []
+    router.attach(FakeChannel(3, log, "a"))  # type: ignore[arg-type]
+    return router, cq, log
+
+
 @pytest.fixture
 def pipe_fd() -> Iterator[int]:
     r, w = os.pipe()
@@ -159,10 +168,7 @@ async def test_the_readers_poll_in_batches_of_the_routers_size() -> None:
 
 async def test_start_drains_and_add_queue_after_start_is_refused() -> None:
     loop = asyncio.get_running_loop()
-    cq = FakeCQ()
-    router = CompletionRouter(loop, cq)
-    log: list[Any] = []
-    router.attach(FakeChannel(3, log, "a"))  # type: ignore[arg-type]
+    router, cq, log = one_channel(loop)
     cq.queue = [wc(1, 3)]
     router.start()
     assert log == [("a", 1), ("a", "resume")]
@@ -174,10 +180,7 @@ async def test_start_drains_and_add_queue_after_start_is_refused() -> None:
 
 async def test_close_dispatches_what_is_queued_once_then_drains_nothing() -> None:
     loop = asyncio.get_running_loop()
-    cq = FakeCQ()
-    router = CompletionRouter(loop, cq)
-    log: list[Any] = []
-    router.attach(FakeChannel(3, log, "a"))  # type: ignore[arg-type]
+    router, cq, log = one_channel(loop)
     assert not router.closed
     router.begin_close()
     assert router.closed
@@ -223,12 +226,9 @@ async def test_a_tracked_transfer_is_outstanding_until_it_ends_then_unpinned_onc
     assert (p2.unpins, router.outstanding, router.outstanding_transfers()) == (1, 0, [])
 
 
-async def test_fallback_polling_runs_while_transfers_are_outstanding() -> None:
+async def test_fallback_polling_finds_a_kicked_completion() -> None:
     loop = asyncio.get_running_loop()
-    cq = FakeCQ()
-    router = CompletionRouter(loop, cq)
-    log: list[Any] = []
-    router.attach(FakeChannel(3, log, "a"))  # type: ignore[arg-type]
+    router, cq, log = one_channel(loop)
     router.start()
     t = transfer(loop)
     router.track(t, Pin())
@@ -272,10 +272,7 @@ async def test_statistics_add_up_the_readers(pipe_fd: int) -> None:
 
 async def test_fallback_polling_goes_on_while_a_transfer_is_outstanding() -> None:
     loop = asyncio.get_running_loop()
-    cq = FakeCQ()
-    router = CompletionRouter(loop, cq)
-    log: list[Any] = []
-    router.attach(FakeChannel(3, log, "a"))  # type: ignore[arg-type]
+    router, cq, log = one_channel(loop)
     router.start()
     router.track(transfer(loop), Pin())
     router.kick()
