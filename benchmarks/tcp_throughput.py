@@ -106,6 +106,8 @@ async def windowed(session: Session, op: str, block: int, depth: int, total: int
     ``batch`` blocks are ``batch`` work requests, the shape of a KV-cache transfer."""
     window: collections.deque[Transfer] = collections.deque()
     slots = region // block
+    batches = max(1, total // (block * batch))
+    moved = total if batch == 1 else batches * block * batch
     start = time.perf_counter()
     if batch == 1:
         call = session.read if op == "read" else session.write
@@ -122,13 +124,12 @@ async def windowed(session: Session, op: str, block: int, depth: int, total: int
         offsets = [int(o) * 2 * block for o in rng.permutation(batch)]
         others = [int(o) * 2 * block for o in rng.permutation(batch)]
         sizes = [block] * batch
-        for _ in range(max(1, total // (block * batch))):
+        for _ in range(batches):
             window.append(many(offsets, others, sizes))
             if len(window) >= depth:
                 await window.popleft()
     while window:
         await window.popleft()
-    moved = total if batch == 1 else max(1, total // (block * batch)) * block * batch
     return moved / (time.perf_counter() - start) / 1e9
 
 

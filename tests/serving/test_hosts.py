@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
 
 import httpx
 import openai
@@ -55,7 +57,7 @@ class Started:
         line = proc.stdout.readline()
         if not line:
             proc.wait(10)
-            raise AssertionError(f"{proc.args} exited {proc.returncode} before serving")
+            raise AssertionError(f"{proc.args!r} exited {proc.returncode} before serving")
         url: str = json.loads(line)["url"]
         return url
 
@@ -76,6 +78,12 @@ class Started:
         return codes
 
 
+def _pipes(log: IO[str]) -> dict[str, Any]:
+    """Popen's streams for a fleet process: stdin kept (closing it stops the process), the
+    stdout line that says where it serves, the log."""
+    return {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": log, "env": env()}
+
+
 def _role(role: str, host: str, port: int, *args: str) -> list[str]:
     argv = [sys.executable, "-m", "moriio_async.serving", "--log-level", "INFO", role, "--host", host]
     return [*argv, "--port", str(port), "--parent-watch", *MODEL_FLAGS, *args]
@@ -83,20 +91,19 @@ def _role(role: str, host: str, port: int, *args: str) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_instances_on_other_hosts_are_given_by_url_and_serve_identically(
-    hosts: Hosts, mode: str, tmp_path: pytest.TempPathFactory
+    hosts: Hosts, mode: str, tmp_path: Path
 ) -> None:
     fleet = Started()
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "env": env()}
-    logs = {name: open(f"{tmp_path}/{name}.log", "w") for name in ("prefill", "decode", "proxy")}  # noqa: SIM115
+    logs = {name: (tmp_path / f"{name}.log").open("w") for name in ("prefill", "decode", "proxy")}
     try:
         p_addr, d_addr = hosts.address(0), hosts.address(1)
-        prefill = fleet.add(hosts.popen(0, _role("prefill", p_addr, 8100, "--name", "prefill-0", "--backend", "auto"),
-                                        stderr=logs["prefill"], **pipes))  # fmt: skip
-        decode = fleet.add(hosts.popen(1, _role("decode", d_addr, 8200, "--name", "decode-0", "--backend", "auto"),
-                                       stderr=logs["decode"], **pipes))  # fmt: skip
+        prefill_argv = _role("prefill", p_addr, 8100, "--name", "prefill-0", "--backend", "auto")
+        decode_argv = _role("decode", d_addr, 8200, "--name", "decode-0", "--backend", "auto")
+        prefill = fleet.add(hosts.popen(0, prefill_argv, **_pipes(logs["prefill"])))
+        decode = fleet.add(hosts.popen(1, decode_argv, **_pipes(logs["decode"])))
         assert (prefill, decode) == (f"http://{p_addr}:8100", f"http://{d_addr}:8200")
         proxy_argv = _role("proxy", hosts.here, 0, "--prefill", prefill, "--decode", decode, "--mode", mode)
-        proxy = fleet.add(subprocess.Popen(proxy_argv, text=True, stderr=logs["proxy"], **pipes))  # type: ignore[call-overload]
+        proxy = fleet.add(subprocess.Popen(proxy_argv, text=True, **_pipes(logs["proxy"])))
 
         with openai.OpenAI(base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=60) as client:
             for prompt in PROMPTS:
