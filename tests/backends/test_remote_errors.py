@@ -103,7 +103,7 @@ def test_deregistration_racing_writes_never_writes_after_it_returns(pairs: PairF
     ok = sts.count(WcStatus.SUCCESS)
     assert sts[:ok] == [WcStatus.SUCCESS] * ok
     if ok < n:
-        assert sts[ok] is WcStatus.REM_ACCESS_ERR, sts
+        assert sts[ok] is WcStatus.REM_ACCESS_ERR, f"request {ok}: {sts[ok].name}, vendor {wcs[ok].vendor_err:#x}"
         assert sts[ok + 1 :] == [WcStatus.WR_FLUSH_ERR] * (n - ok - 1), sts
     for i in range(ok):  # what completed had landed before deregistration returned
         assert np.array_equal(snapshot[i * chunk : (i + 1) * chunk], pair.a.buf[i * chunk : (i + 1) * chunk])

@@ -280,32 +280,6 @@ def _responder_threads() -> list[threading.Thread]:
 # -- deregistration and close -------------------------------------------------------------------------
 
 
-def test_deregistration_aborts_a_trickled_write_instead_of_waiting() -> None:
-    """Issue 8: deregistration waited for a WRITE trickling into the region (the loop stood 18 s)."""
-    with target(retry_timeout=30.0) as t:
-        sock, status = dw.dial(t.port, random_token(t))
-        assert status == dw.OK
-        sock.sendall(dw.chunk(dw.WRITE, 0, (t.mr.rkey, t.mr.addr, 4096)) + b"\7" * 10)
-        try:
-            with dw.Dripper(sock, 0.05):
-                deadline = time.monotonic() + 5
-                while not (t.buf[:10] == 7).all():  # the payload is landing in the region
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
-                started = time.perf_counter()
-                t.backend.deregister_memory(t.mr)
-                took = time.perf_counter() - started
-                snapshot = t.buf.copy()
-                r = dw.response(sock)
-                assert (r.status, r.vendor) == (dw.REM_ACCESS_ERR, VendorErr.REMOTE_DEREGISTERED)
-                time.sleep(0.3)
-                assert np.array_equal(t.buf, snapshot), "a byte landed after deregistration returned"
-                assert t.counters["aborted_requests"] == 1
-                assert took < 5.0, f"deregistration waited {took:.1f}s for the peer"  # the old wait: 30 s here
-        finally:
-            sock.close()
-
-
 def test_passive_close_does_not_join_its_responder() -> None:
     release = threading.Event()
 
@@ -330,18 +304,6 @@ def test_passive_close_does_not_join_its_responder() -> None:
         assert isinstance(t.backend, TcpBackend)
     for th in responders:
         assert not th.is_alive(), "the backend's close joined it"
-
-
-def test_a_request_after_deregistration_fails_with_rem_access_err() -> None:
-    with target() as t:
-        sock, status = dw.dial(t.port, random_token(t))
-        assert status == dw.OK
-        t.backend.deregister_memory(t.mr)
-        sock.sendall(dw.chunk(dw.WRITE, 0, (t.mr.rkey, t.mr.addr, 16)) + b"\1" * 16)
-        r = dw.response(sock)
-        assert (r.status, r.vendor) == (int(WcStatus.REM_ACCESS_ERR), VendorErr.UNKNOWN_RKEY)
-        assert not t.buf.any()
-        sock.close()
 
 
 @pytest.mark.parametrize("part", ["header", "payload"])

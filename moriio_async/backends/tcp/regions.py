@@ -57,7 +57,9 @@ class Abortable(Protocol):
     """Who holds a pin for a peer's request: can end its socket call at once, from any thread."""
 
     def abort(self) -> None:
-        """End the socket call moving this region's bytes (a shutdown); the holder then unpins."""
+        """End the socket call moving this region's bytes (a shutdown); the holder then unpins.
+
+        Called with the region's lock held: it must not pin, unpin or block."""
 
 
 @dataclass(eq=False, slots=True)
@@ -100,10 +102,11 @@ class TcpRegion(MemoryRegion):
             self.live = False
             if not self.pins:
                 return
-            holders = list(self.holders)
             only_peers = sum(self.holders.values()) == self.pins
-        for holder in holders:
-            holder.abort()
+            # Under the lock: a holder cannot unpin meanwhile, so its abort is about this region's
+            # pin and never lands on its next request (which may be moving another region's bytes).
+            for holder in self.holders:
+                holder.abort()
         if only_peers:
             if not self.drained.wait(ABORT_GRACE):
                 log.warning("tcp region %#x: aborted socket calls still hold it after %gs", self.addr, ABORT_GRACE)

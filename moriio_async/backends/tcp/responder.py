@@ -62,9 +62,11 @@ class Responder:
         self.timeout = timeout
         """The silence timeout (``retry_timeout``): also the base of each message's deadline."""
         self.deadline = Deadline(sock, timeout)
-        self._sock_lock = threading.Lock()  # stop() never races close() onto a reused fd
+        self._sock_lock = threading.Lock()  # stop() never races close() onto a reused fd; guards the two below
         self._stopped = False
         self._writes = False  # the chunk being served is WRITEs: its regions are pinned to receive into
+        self._moving = False  # between pinning a chunk's regions and the end of its socket call on them
+        self._cut = False  # abort shut the socket during that call: the connection cannot go on
         self.thread: threading.Thread | None = None
         """The thread serving it (the listener's), joined by the backend's close."""
 
@@ -76,10 +78,34 @@ class Responder:
         """A region this responder holds is being deregistered: end the socket call on it now.
 
         A receive is ended with a read shutdown (the response can still go out,
-        saying REM_ACCESS_ERR); a send, with both directions shut.
+        saying REM_ACCESS_ERR); a send, with both directions shut. Called under
+        the region's lock, so the pin is still held. Once the call has ended
+        (its bytes are all in or out), nothing is shut: the chunk is answered as
+        it went and the region is unpinned next, and service goes on unharmed.
+        A shutdown then would leave a read-shut socket serving later chunks,
+        whose refusal could be beaten by a reset (RETRY_EXC_ERR instead of
+        REM_ACCESS_ERR).
         """
-        self.deadline.aborted = True
-        self._shutdown(socket.SHUT_RD if self._writes else socket.SHUT_RDWR, stop=False)
+        with self._sock_lock:
+            if not self._moving:
+                return
+            self._cut = True
+            self.deadline.aborted = True
+            if self.sock.fileno() >= 0:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RD if self._writes else socket.SHUT_RDWR)
+
+    def _moving_begins(self) -> None:
+        """Before a chunk's regions are pinned: from now until ``_moving_ends`` an abort shuts the socket."""
+        with self._sock_lock:
+            self._moving = True
+
+    def _moving_ends(self) -> bool:
+        """The socket call on the pinned regions ended; True if an abort cut the connection meanwhile
+        (even a call that completed: the socket is shut, so the chunk is answered as aborted)."""
+        with self._sock_lock:
+            self._moving = False
+            return self._cut
 
     def _shutdown(self, how: int, *, stop: bool) -> None:
         with self._sock_lock:
@@ -135,9 +161,10 @@ class Responder:
                 continue
             if self._stopped:
                 return
+            self._moving_begins()
             checked = st.regions.check_remote(op, d["rkey"], d["addr"], d["length"], self)
             done = checked.first_bad
-            aborted = False
+            aborted = cut = False
             if done < count:
                 self._refused(st, op, d[done], checked.vendor)
             try:
@@ -148,7 +175,8 @@ class Responder:
                             return
                 status, vendor = (0, 0) if done == count else (_REM_ACCESS_ERR, int(checked.vendor))
                 if op == _WRITE:
-                    aborted = not self._receive(fd, d, done)
+                    received = self._receive(fd, d, done)
+                    aborted = self._moving_ends() or not received
                     if not aborted:
                         _send_small(sock, RESPONSE.pack(op, status, vendor, seq, done, 0, 0))
                 else:
@@ -156,10 +184,14 @@ class Responder:
                     RESPONSE.pack_into(reply.data, 0, op, status, vendor, seq, done, 0, payload)
                     iov[0] = (address(reply), RESPONSE.size)
                     send_all(fd, iov, RESPONSE.size + payload)
+                    cut = self._moving_ends()  # sent whole, but the socket is shut: service ends
             finally:
+                self._moving_ends()
                 checked.unpin()
             if aborted:  # answered only now: the region's pin must end before anything else waits
                 self._answer_abort(st, seq)
+                return
+            if cut:
                 return
             if done < count:
                 self._refuse_rest(sock, scratch)
@@ -177,10 +209,12 @@ class Responder:
             return False
         if self._stopped:
             return False
+        self._moving_begins()
         checked = st.regions.check_remote_one(op, rkey, addr, length, self)
         aborted = False
         try:
             if not checked.first_bad:
+                self._moving_ends()  # nothing pinned: no abort can come for it
                 self._refused(st, op, (rkey, _r, addr, length), checked.vendor)
                 if op == _READ:
                     head = RESPONSE.pack(op, _REM_ACCESS_ERR, int(checked.vendor), seq, 0, 0, 0)
@@ -200,11 +234,16 @@ class Responder:
                     if not self.deadline.aborted:
                         raise
                     aborted = True
-                else:
+                if self._moving_ends():
+                    aborted = True
+                if not aborted:
                     _send_small(sock, RESPONSE.pack(op, 0, 0, seq, 1, 0, 0))
             else:
                 send_buffers(sock, [RESPONSE.pack(op, 0, 0, seq, 1, 0, length), view], RESPONSE.size + length)
+                if self._moving_ends():
+                    return False  # sent whole, but the socket is shut: service ends
         finally:
+            self._moving_ends()
             checked.unpin()
         if aborted:
             self._answer_abort(st, seq)
@@ -219,16 +258,20 @@ class Responder:
             if hooks.on_request(st.qp_num, _WRITE, rkey, addr, length) is Fault.DROP or self._stopped:
                 return False
             one = d[i : i + 1]
+            self._moving_begins()
             checked = st.regions.check_remote(_WRITE, one["rkey"], one["addr"], one["length"], self)
             here = (seq + i) & SEQ_MASK
             try:
                 if checked.first_bad == 0:
+                    self._moving_ends()  # nothing pinned: no abort can come for it
                     self._refused(st, _WRITE, one[0], checked.vendor)
                     _send_small(sock, RESPONSE.pack(_WRITE, _REM_ACCESS_ERR, int(checked.vendor), here, 0, 0, 0))
                     self._refuse_rest(sock, scratch)
                     return False
-                aborted = not self._receive(fd, one, 1)
+                received = self._receive(fd, one, 1)
+                aborted = self._moving_ends() or not received
             finally:
+                self._moving_ends()
                 checked.unpin()
             if aborted:
                 self._answer_abort(st, here)
@@ -284,14 +327,18 @@ class Responder:
     def _linger(self, sock: socket.socket) -> None:
         """After answering an aborted WRITE on a read-shut socket: wait (at most one ``retry_timeout``)
         for the initiator to hang up, taking in what it still sends, so that closing does not reset the
-        connection before it read the answer (a reset would beat it as RETRY_EXC_ERR)."""
+        connection before it read the answer (a reset would beat it as RETRY_EXC_ERR).
+
+        No write shutdown here: Linux resets a connection that gets data after both of its
+        directions were shut (FIN_WAIT with the read side shut), and the initiator is likely still
+        sending the payloads of the WRITEs behind the aborted one. The answer makes it hang up."""
         scratch = bytearray(1 << 16)
         until = time.monotonic() + self.timeout
         with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
             while time.monotonic() < until and not self._stopped:
-                while sock.recv_into(scratch, 0, socket.MSG_DONTWAIT):
-                    pass  # a read-shut socket returns what is queued, then 0 (never blocks)
+                with contextlib.suppress(BlockingIOError):
+                    while sock.recv_into(scratch, 0, socket.MSG_DONTWAIT):
+                        pass  # a read-shut socket returns what is queued, then 0
                 if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in _HUNG_UP:
                     return
                 time.sleep(0.005)
