@@ -18,7 +18,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState
-from moriio_async.backends.cma import CmaBackend, CmaQueuePair, VendorErr, wire
+from moriio_async.backends.cma import CmaBackend, CmaQueuePair, VendorErr, initiator, wire
 from moriio_async.backends.cma.inuse import ANY, InUse
 from moriio_async.backends.cma.iov import segments, window
 from moriio_async.errors import InvalidArgument
@@ -83,6 +83,32 @@ def test_a_descriptor_from_before_a_deregistration_fails_and_touches_nothing(
     assert eventually(lambda: int(table.records["rkey"][stale.rkey & SLOT_MASK]) == 0)
     again = pair.b.register(pair.b.buf, Access.all())
     assert again.rkey != stale.rkey
+
+
+def test_after_the_target_closed_its_backend_no_request_moves_a_byte(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close`` returns with every peer's next check failing as from a vanished peer (RETRY_EXC_ERR),
+    even while that peer's reader has not yet seen the connection end (held back a second here):
+    memory the application frees after ``close`` is never written. (CI caught this as a flake.)"""
+    real = initiator.receive
+
+    def late_to_see_the_end(sock: socket.socket, want_fd: bool = False) -> tuple[bytes, int | None]:
+        try:
+            return real(sock, want_fd)
+        except (OSError, wire.ProtocolError):
+            time.sleep(1.0)
+            raise
+
+    monkeypatch.setattr(initiator, "receive", late_to_see_the_end)
+    pair = pairs(1 << 20, 1 << 20)
+    pair.a.buf[:] = 0xCD
+    before = pair.b.buf.copy()
+    pair.b.backend.close()
+    wcs = pair.run([pair.write(0, 0, 4096, 0), pair.write(1, 4096, 4096, 4096)], expect=2)
+    assert statuses(wcs) == [WcStatus.RETRY_EXC_ERR, WcStatus.WR_FLUSH_ERR]
+    assert wcs[0].vendor_err == VendorErr.PEER_CLOSED
+    assert np.array_equal(pair.b.buf, before), "a byte was written after the target's close returned"
 
 
 def test_shared_allocation_moves_bytes_through_the_mapping_and_is_unmapped_on_revocation(pairs: PairFactory) -> None:

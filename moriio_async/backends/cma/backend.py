@@ -184,6 +184,7 @@ class CmaBackend(Backend):
             self._closed = True
             qps = list(self._qps.values())
             cqs = list(self._cqs)
+        self.port.quiesce()  # first: no peer's window touches our memory once close returns
         for qp in qps:
             qp.close()
         self.port.close()

@@ -86,15 +86,24 @@ class InUseView:
             raise ValueError("not an in-use page")
         self._map = mmap.mmap(fd, PAGE, prot=mmap.PROT_READ)
         self.word = np.frombuffer(self._map, dtype=np.uint32)
+        self._lock = threading.Lock()  # a wait in another thread (close, deregistration) never reads an unmapped page
+        self._closed = False
 
-    def wait_clear(self, slot: int, deadline: float, gone: Callable[[], bool]) -> bool:
-        """Wait until no window of this initiator touches ``slot`` (the caller fenced after revoking),
-        or the initiator is ``gone`` (a killed one leaves its word set); False at ``deadline``."""
-        mine = slot + 1
+    def read(self) -> int:
+        """The initiator's word now; 0 once closed (its connection ended: it moves nothing more)."""
+        with self._lock:
+            return 0 if self._closed else int(self.word[0])
+
+    def wait_clear(self, slot: int | None, deadline: float, gone: Callable[[], bool]) -> bool:
+        """Wait until no window of this initiator touches ``slot`` (None: any slot) (the caller fenced
+        after revoking), or the initiator is ``gone`` (a killed one leaves its word set); False at
+        ``deadline``."""
+        mine = -1 if slot is None else slot + 1
         pause = 0.0
         while True:
-            word = int(self.word[0])
-            if (word != mine and word != ANY) or gone():
+            word = self.read()
+            idle = not word if slot is None else word != mine and word != ANY
+            if idle or gone():
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -102,5 +111,7 @@ class InUseView:
             pause = min(0.001, pause * 2 or 0.00002)
 
     def close(self) -> None:
-        del self.word
-        self._map.close()
+        with self._lock:
+            self._closed = True
+            del self.word
+            self._map.close()

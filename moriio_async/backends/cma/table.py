@@ -34,7 +34,7 @@ import numpy.typing as npt
 from ...errors import InvalidArgument
 from .wire import VendorErr
 
-__all__ = ["LIVE", "READ", "RECORD", "SLOTS", "WRITE", "Checked", "RegionTable", "TableView", "seal_fd"]
+__all__ = ["CLOSED", "LIVE", "READ", "RECORD", "SLOTS", "WRITE", "Checked", "RegionTable", "TableView", "seal_fd"]
 
 RECORD: Final = np.dtype(
     [("rkey", "<u4"), ("flags", "<u4"), ("alloc", "<u4"), ("reserved", "<u4"),
@@ -45,6 +45,8 @@ READ: Final = 1
 WRITE: Final = 2
 LIVE: Final = 4
 """Set for every registered region (with or without remote access); a revocation clears every bit."""
+CLOSED: Final = 8
+"""In slot 0's flags (no region uses slot 0) once the owner closed its backend: every check fails."""
 _MASK: Final = SLOTS - 1
 _SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -112,6 +114,11 @@ class RegionTable:
             self.records["flags"][slot] = 0
         return True
 
+    def shut(self) -> None:
+        """The backend is closing: every initiator's next check fails as from a vanished peer (one
+        store). After it, ``TargetPort.quiesce`` waits for the windows that passed a check before."""
+        self.records["flags"][0] = CLOSED
+
     def release(self, rkey: int) -> None:
         """The slot of a revoked key may be reused (every peer acknowledged the revocation)."""
         slot = rkey & _MASK
@@ -153,6 +160,8 @@ class TableView:
     def check(self, rkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
         """Every range against the table: a live slot under the key, inside it, with the access."""
         n = len(rkeys)
+        if int(self.records["flags"][0]) & CLOSED:  # the target closed its backend (``RegionTable.shut``)
+            return Checked(0, VendorErr.PEER_CLOSED, np.empty(0, dtype=RECORD))
         slots = (rkeys & np.uint32(_MASK)).astype(np.intp)
         first = self.records[slots]  # a copy: the check works on one snapshot
         need = WRITE if write else READ

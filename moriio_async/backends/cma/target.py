@@ -201,24 +201,37 @@ class TargetPort:
     def revoke(self, region: CmaRegion) -> None:
         """Revoke ``region`` in the table and tell every initiator; never waits."""
         self.table.revoke(region.rkey)
-        fence()  # the revocation is visible before any initiator's in-use word is read
-        with self._lock:
-            conns = [c for c in self._conns if c.pid]
-        deadline = time.monotonic() + self.revoke_wait
-        slot = region.rkey & (SLOTS - 1)
-        for conn in conns:
-            # A window that passed its check just before the store above may be moving bytes of
-            # the region now: wait for it (about a millisecond), never longer than revoke_wait.
-            if conn.inuse is not None and not conn.inuse.wait_clear(slot, deadline, conn.is_closed):
-                log.warning("cma: initiator pid %d kept copying past revoke_wait=%gs; cutting it off",
-                            conn.pid, self.revoke_wait)  # fmt: skip
-                conn.shutdown()
+        conns = self._wait_windows(region.rkey & (SLOTS - 1))
         region.acks = set(conns)
         if not conns:
             self.table.release(region.rkey)
             return
         for conn in conns:
             conn.revoke(region)
+
+    def quiesce(self) -> None:
+        """The backend is closing: every initiator's next check fails as from a vanished peer
+        (RETRY_EXC_ERR), and a window one is copying now has ended when this returns (at most
+        ``revoke_wait``, after which it is cut off). So no peer moves a byte of this process's
+        memory after ``close`` returned, even one whose reader has not yet seen the connection end."""
+        self.table.shut()
+        self._wait_windows(None)
+
+    def _wait_windows(self, slot: int | None) -> list[Connection]:
+        """After a store in the table: wait for the windows that passed their check before it (on
+        ``slot``; None: any); the established connections."""
+        fence()  # the store is visible before any initiator's in-use word is read
+        with self._lock:
+            conns = [c for c in self._conns if c.pid]
+        deadline = time.monotonic() + self.revoke_wait
+        for conn in conns:
+            # A window that passed its check just before the store may be moving bytes now: wait
+            # for it (about a millisecond), never longer than revoke_wait.
+            if conn.inuse is not None and not conn.inuse.wait_clear(slot, deadline, conn.is_closed):
+                log.warning("cma: initiator pid %d kept copying past revoke_wait=%gs; cutting it off",
+                            conn.pid, self.revoke_wait)  # fmt: skip
+                conn.shutdown()
+        return conns
 
     def acked(self, region: CmaRegion, conn: Connection) -> None:
         region.acks.discard(conn)

@@ -137,9 +137,12 @@ class Executor:
         status: WcStatus | None = None
         vendor = 0
         if good < n:
-            status, vendor = (
-                (WcStatus.LOC_PROT_ERR, lvendor) if lbad <= rc.first_bad else (WcStatus.REM_ACCESS_ERR, rc.vendor)
-            )
+            if lbad <= rc.first_bad:
+                status, vendor = WcStatus.LOC_PROT_ERR, lvendor
+            elif rc.vendor == VendorErr.PEER_CLOSED:  # the target closed its backend: as if it had exited
+                status, vendor = WcStatus.RETRY_EXC_ERR, rc.vendor
+            else:
+                status, vendor = WcStatus.REM_ACCESS_ERR, rc.vendor
         if not good:
             return 0, status, vendor, None
         allocs = rc.records["alloc"][:good]
