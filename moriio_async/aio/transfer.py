@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol, final
+from typing import Any, NamedTuple, Protocol, final
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +23,20 @@ from ..core.outcome import Outcome
 from ..errors import TransferFailed
 from ..status import Opcode, StatusCode, WcStatus
 
-__all__ = ["Drainer", "Transfer", "Watcher"]
+__all__ = ["Attached", "Drainer", "Transfer", "Watcher"]
+
+
+class Attached(NamedTuple):
+    """What a transfer holds for others right now (``Transfer.attached``)."""
+
+    awaiters: int
+    """Futures of ``wait()`` calls (done ones are pruned once 16 are held)."""
+    watchers: int
+    """Watchers of waits over many transfers (closed ones are pruned once 16 are held)."""
+    callbacks: int
+    """Done callbacks."""
+    lists: int
+    """Lists allocated to hold them: none until a second callback or the first waiter or watcher."""
 
 
 class Watcher(Protocol):
@@ -216,6 +229,13 @@ class Transfer:
             # objects, which bring on the full garbage collections a deadline cannot afford.
             watchers[:] = [w for w in watchers if not w.closed]
         watchers.append(watcher)
+
+    def attached(self) -> Attached:
+        """What this transfer holds for others: a loop that waits again and again, or thousands of
+        transfers in flight, must keep these bounded (the tests check it here)."""
+        lists = [x for x in (self._awaiters, self._on_end, self._watchers) if x is not None]
+        callbacks = (self._first is not None) + len(self._on_end or ())
+        return Attached(len(self._awaiters or ()), len(self._watchers or ()), callbacks, len(lists))
 
     def __repr__(self) -> str:
         return f"<Transfer {self.id} {self.opcode.name} {self.nbytes}B to {self.peer} {self._code.name}>"

@@ -230,7 +230,7 @@ async def test_waits_cancelled_again_and_again_keep_a_bounded_list() -> None:
     for _ in range(40):
         with pytest.raises(TimeoutError):
             await t.wait(0)
-        lengths.append(len(t._awaiters or ()))
+        lengths.append(t.attached().awaiters)
     assert max(lengths) == 16  # pruned of done waiters once 16 are held
     assert min(lengths) == 2  # the live one is kept
     t.settle(1, WcStatus.SUCCESS)
@@ -262,7 +262,7 @@ async def test_the_only_done_callback_runs_and_can_be_removed() -> None:
     log: list[str] = []
     t = make()
     t.add_done_callback(lambda _t: log.append("only"))
-    assert t._on_end is None  # one callback (the router's) takes a slot, not a list: no object per transfer
+    assert t.attached() == (0, 0, 1, 0)  # one callback (the router's) takes a slot, not a list: no object per transfer
     t.fail(StatusCode.ERR_BAD_STATE, "x")
     assert log == ["only"]
     u = make()
@@ -345,7 +345,7 @@ async def test_closed_watchers_are_dropped_once_sixteen_are_held() -> None:
         w = Watch()
         t.watch(w)
         w.closed = True
-        lengths.append(len(t._watchers or ()))
+        lengths.append(t.attached().watchers)
     assert max(lengths) == 16
     assert min(lengths) == 2  # the live one survives every pruning
     t.fail(StatusCode.ERR_BAD_STATE, "x")
