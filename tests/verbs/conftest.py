@@ -98,7 +98,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """After a host run that booted the Soft-RoCE guest: its devices and every guest test's outcome."""
     from . import test_guest_suite as bridge
 
-    for guests, run in sorted(bridge._runs.items()):
+    for guests, run in sorted(bridge.finished_runs().items()):
         terminalreporter.section(f"Soft-RoCE guest run: {guests} guest(s), exit {run.exit_code}, {run.seconds:.0f}s")
         for line in run.devices:
             terminalreporter.write_line(line)

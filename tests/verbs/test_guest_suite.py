@@ -160,6 +160,11 @@ _runs: dict[int, GuestRun] = {}
 _run_errors: dict[int, str] = {}
 
 
+def finished_runs() -> dict[int, GuestRun]:
+    """The guest runs this session made, by number of guests (for the terminal summary)."""
+    return dict(_runs)
+
+
 def _guest_run(guests: int) -> GuestRun:
     if guests not in _runs and guests not in _run_errors:
         try:
