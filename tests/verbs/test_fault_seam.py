@@ -170,3 +170,29 @@ def test_kill_and_malformed_plans_are_refused() -> None:
         VerbsFaultSeam.from_extra({"fault_plan": 42}, 1.0)
     with pytest.raises(InvalidArgument):
         VerbsFaultSeam.from_extra({"fault_plan": "{not json"}, 1.0)
+
+
+def test_after_the_pair_failed_later_requests_go_to_the_device_at_once_past_any_delay() -> None:
+    """A pair in the error state flushes what is posted to it at once, as a real one does: a delay
+    rule must not hold requests submitted after the failure (they would end as timeouts, not flushes,
+    behind a wait of their own each). Found by the real-faults property on verbs under load."""
+    dev = Device(
+        seam(FaultRule(Action.DELAY, seconds=0.25), FaultRule(Action.STATUS, wr=0, status=WcStatus.REM_ACCESS_ERR))
+    )
+    dev.faults.submit(batch(1, 1))
+    assert dev.failed == [([[1]], WcStatus.REM_ACCESS_ERR)]  # the status comes first, at once
+    for wr_id in range(2, 7):
+        dev.faults.submit(batch(wr_id, 1))
+    assert [ids for ids, _ in dev.posted] == [[2], [3], [4], [5], [6]]  # to the device, which flushes them
+    assert dev.faults.waiting == 0
+
+
+def test_after_an_abort_later_requests_go_to_the_device_at_once() -> None:
+    dev = Device(seam(FaultRule(Action.DELAY, seconds=5.0)))
+    dev.faults.submit(batch(1, 1))
+    assert dev.posted == [] and dev.faults.waiting == 1
+    dev.faults.abort()
+    dev.faults.due()
+    assert dev.failed == [([[1]], WcStatus.WR_FLUSH_ERR)]
+    dev.faults.submit(batch(2, 1))
+    assert dev.posted == [([2], [True])] and dev.faults.waiting == 0

@@ -159,6 +159,9 @@ class PairFaults:
         """Waits already served at one request (so a released request goes on)."""
         self._timer: threading.Timer | None = None
         self._aborted = False
+        """The pair is in the error state (``abort``, or this seam failed it): from now on requests go
+        to the device at once, which flushes them in order, as a real pair in ERR does; no rule holds
+        them (a delay would make each flush wait, and a wait over them end in timeouts)."""
 
     def submit(self, batch: WorkBatch) -> None:
         if self.pair is None:
@@ -171,6 +174,11 @@ class PairFaults:
     def run(self) -> None:
         """Post what the plan lets through now; stop at the next rule."""
         assert self.pair is not None or not self._pending
+        if self._aborted and self._wait is None:
+            while self._pending:
+                batch, start, _base = self._pending.popleft()
+                self._send(batch, start, len(batch), signal_last=False)
+            return
         while self._pending and self._wait is None:
             batch, start, base = self._pending[0]
             i, rule = start, None
@@ -213,6 +221,7 @@ class PairFaults:
 
     def fail_all(self, status: WcStatus = WcStatus.WR_FLUSH_ERR) -> None:
         """Every waiting request completes without the device: the first with ``status``, then flushes."""
+        self._aborted = True  # ``_fail`` moves the pair to ERR
         parts = [(batch, start) for batch, start, _ in self._pending]
         self._pending.clear()
         self.waiting = 0
