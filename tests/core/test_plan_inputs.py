@@ -70,6 +70,10 @@ def test_blocks_of_one_byte_and_blocks_that_end_at_a_region_end_are_valid() -> N
     assert check_block(0, 0, 1, 64, 128) == (0, 0, 1)
     assert check_block(0, 0, 64, 64, 128) == (0, 0, 64)
     assert check_block(0, 64, 64, 64, 128) == (0, 64, 64)
+    # The same edges with numpy integers, which check_block reads value by value.
+    assert check_block(np.int64(0), np.int32(0), np.int16(1), 64, 128) == (0, 0, 1)  # type: ignore[arg-type]
+    assert check_block(np.int64(63), np.int64(127), np.uint8(1), 64, 128) == (63, 127, 1)  # type: ignore[arg-type]
+    assert check_block(np.int64(0), np.int64(64), np.int64(64), 64, 128) == (0, 64, 64)  # type: ignore[arg-type]
     # One byte more is one byte too many, on either side.
     assert message([57], [0], [8], 64, 128) == "block 0: local range [57, 65) exceeds the local region (64 bytes)"
     assert message([0], [121], [8], 64, 128) == "block 0: remote range [121, 129) exceeds the remote region (128 bytes)"
