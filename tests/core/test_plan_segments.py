@@ -16,9 +16,20 @@ def i64(*values: int) -> np.ndarray:
 
 
 def test_plan_segments_reads_narrow_integer_arrays_as_int64() -> None:
-    """In uint8, remote 200 + size 100 wraps to 44, which would make the second block continue the
-    first's remote range. As int64 the blocks are two requests, in remote order."""
+    """In uint8, local 200 + size 100 wraps to 44: the second block below, which continues the first on
+    the remote side, would look local-contiguous too and merge into one 110-byte piece at local 200 (bytes
+    from the wrong place). As int64 the blocks are two pieces of one request."""
     u8 = np.uint8
+    segs = plan_segments(
+        np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
+        np.array([0, 100], dtype=u8),  # type: ignore[arg-type]
+        np.array([100, 10], dtype=u8),  # type: ignore[arg-type]
+        max_sge=4,
+        max_wr_bytes=1 << 20,
+    )
+    assert segs == [Segment(0, 110, ((200, 100), (44, 10)))]
+    assert all(type(v) is int for s in segs for v in (s.remote_offset, s.length, *sum(s.pieces, ())))
+    # Remote order is int64 order too: two requests, the lower remote offset first.
     segs = plan_segments(
         np.array([0, 10], dtype=u8),  # type: ignore[arg-type]
         np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
@@ -27,7 +38,6 @@ def test_plan_segments_reads_narrow_integer_arrays_as_int64() -> None:
         max_wr_bytes=1 << 20,
     )
     assert segs == [Segment(44, 10, ((10, 10),)), Segment(200, 100, ((0, 100),))]
-    assert all(type(v) is int for s in segs for v in (s.remote_offset, s.length, *sum(s.pieces, ())))
 
 
 def test_segments_of_a_consistent_plan() -> None:
@@ -50,3 +60,14 @@ def test_segments_refuses_arrays_of_different_lengths(plan: Plan, message: str) 
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         plan.segments()
     assert str(info.value) == message
+
+
+def test_a_piece_just_below_the_previous_one_locally_is_a_scatter_entry_of_its_own() -> None:
+    """Remote-contiguous blocks whose local offsets step down (100, then 96 = 100 - 4) are not local-
+    contiguous: each keeps its own scatter entry, also where the run is cut at max_wr_bytes."""
+    lo, ro, sz = [100, 96, 500], [0, 4, 8], [4, 4, 8]
+    assert plan_segments(lo, ro, sz, max_sge=4, max_wr_bytes=1 << 20) == [Segment(0, 16, ((100, 4), (96, 4), (500, 8)))]
+    assert plan_segments(lo, ro, sz, max_sge=4, max_wr_bytes=12) == [
+        Segment(0, 12, ((100, 4), (96, 4), (500, 4))),
+        Segment(12, 4, ((504, 4),)),
+    ]
