@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moriio_async.core.plan import Plan, Segment, plan_segments
+from moriio_async.errors import InvalidArgument
 
 
 def i64(*values: int) -> np.ndarray:
@@ -70,4 +71,24 @@ def test_a_piece_just_below_the_previous_one_locally_is_a_scatter_entry_of_its_o
     assert plan_segments(lo, ro, sz, max_sge=4, max_wr_bytes=12) == [
         Segment(0, 12, ((100, 4), (96, 4), (500, 4))),
         Segment(12, 4, ((504, 4),)),
+    ]
+
+
+@pytest.mark.parametrize(("max_sge", "max_wr_bytes"), [(0, 64), (64, 0), (0, 0), (-1, 64), (4, -8)])
+def test_limits_below_one_are_refused(max_sge: int, max_wr_bytes: int) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        plan_segments([0], [0], [8], max_sge=max_sge, max_wr_bytes=max_wr_bytes)
+    assert str(info.value) == "max_sge and max_wr_bytes must be positive"
+
+
+def test_limits_of_one_are_the_tightest_plan() -> None:
+    """One scatter entry and one byte a request: every byte is a request of its own."""
+    assert plan_segments([0, 100], [0, 2], [2, 1], max_sge=1, max_wr_bytes=1) == [
+        Segment(0, 1, ((0, 1),)),
+        Segment(1, 1, ((1, 1),)),
+        Segment(2, 1, ((100, 1),)),
+    ]
+    assert plan_segments([0, 100], [0, 2], [2, 1], max_sge=1, max_wr_bytes=1 << 20) == [
+        Segment(0, 2, ((0, 2),)),
+        Segment(2, 1, ((100, 1),)),
     ]
