@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from moriio_async.core.plan import Plan, Segment, plan_segments
+from moriio_async.core.plan import Plan, Segment, plan, plan_segments
 from moriio_async.errors import InvalidArgument
 
 
@@ -92,3 +92,10 @@ def test_limits_of_one_are_the_tightest_plan() -> None:
         Segment(0, 2, ((0, 2),)),
         Segment(2, 1, ((100, 1),)),
     ]
+
+
+def test_an_empty_batch_plans_to_no_requests() -> None:
+    """check_arrays refuses an empty batch before the engine plans; planned directly, it is no requests."""
+    assert plan_segments([], [], [], max_sge=4, max_wr_bytes=64) == []
+    p = plan(i64(), i64(), i64(), max_sge=4, max_wr_bytes=64)
+    assert len(p) == 0 and p.sge_start.tolist() == [0] and len(p.sge_offset) == 0
