@@ -99,3 +99,16 @@ def test_an_empty_batch_plans_to_no_requests() -> None:
     assert plan_segments([], [], [], max_sge=4, max_wr_bytes=64) == []
     p = plan(i64(), i64(), i64(), max_sge=4, max_wr_bytes=64)
     assert len(p) == 0 and p.sge_start.tolist() == [0] and len(p.sge_offset) == 0
+
+
+def test_blocks_contiguous_on_both_sides_are_one_scatter_entry() -> None:
+    """A layer's KV blocks back to back on both sides, in any input order and of any sizes, are one request
+    of one scatter entry, whatever max_sge (each join is checked against the block just before it)."""
+    for sizes in ([4, 4, 4], [4, 8, 4], [4, 8, 4, 16, 4], [16, 4, 4, 8, 12, 4]):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        total = sum(sizes)
+        for order in (slice(None), slice(None, None, -1)):
+            lo = [64 + s for s in starts][order]
+            ro = [1000 + s for s in starts][order]
+            got = plan_segments(lo, ro, sizes[order], max_sge=1, max_wr_bytes=1 << 20)
+            assert got == [Segment(1000, total, ((64, total),))]
