@@ -3,6 +3,7 @@ as the reference. Same requests, same pieces, same order, for every batch and ev
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moriio_async.core.plan import Segment, check_arrays, merge_contiguous_blocks, plan
+from moriio_async.core.plan import Plan, Segment, check_arrays, merge_contiguous_blocks, plan
 from moriio_async.errors import InvalidArgument
 
 
@@ -98,6 +99,43 @@ def test_check_arrays_names_the_first_bad_block_of_any_kind() -> None:
     with pytest.raises(InvalidArgument, match="block 1: size 0"):
         check_arrays([0, 0, 70], [0, 0, 0], [8, 0, 8], 64, 64)
     with pytest.raises(InvalidArgument, match=r"sizes\[1\] is str"):
-        check_arrays([0, 0], [0, 0], [8, "8"], 64, 64)
+        check_arrays([0, 0], [0, 0], [8, "8"], 64, 64)  # type: ignore[list-item]
     with pytest.raises(InvalidArgument, match="local range"):
         check_arrays([1 << 70], [0], [8], 64, 64)
+
+
+def assert_well_formed(p: Plan) -> None:
+    """The shape every consumer of a plan relies on: five 1-D int64 arrays, ``sge_start`` one longer than
+    the requests, from 0 to the number of pieces, every request at least one piece, lengths summed."""
+    arrays = (p.remote_offset, p.length, p.sge_start, p.sge_offset, p.sge_length)
+    assert all(a.dtype == np.int64 and a.ndim == 1 for a in arrays)
+    n, m = len(p), len(p.sge_offset)
+    assert len(p.length) == n and len(p.sge_length) == m and len(p.sge_start) == n + 1
+    starts = p.sge_start.tolist()
+    assert starts[0] == 0 and starts[-1] == m
+    assert all(a < b for a, b in itertools.pairwise(starts))
+    lens = p.sge_length.tolist()
+    assert p.length.tolist() == [sum(lens[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+@given(blocks, st.integers(1, 5), st.sampled_from([1, 3, 4, 8, 12, 16, 64, 1 << 30]))
+def test_every_plan_is_well_formed_and_its_own(bl: list[tuple[int, int, int]], max_sge: int, max_wr: int) -> None:
+    lo, ro, sz = (np.asarray([b[i] for b in bl], dtype=np.int64) for i in range(3))
+    p = plan(lo, ro, sz, max_sge=max_sge, max_wr_bytes=max_wr)
+    assert_well_formed(p)
+    before = p.segments()
+    lo[:], ro[:], sz[:] = 0, 0, 1  # the caller reuses its arrays: the plan is its own
+    assert p.segments() == before
+
+
+def test_a_single_block_plan_is_well_formed_and_its_own() -> None:
+    """The single block (no sort, no masks) at, below and above max_wr_bytes; its plan owns its arrays, so
+    reusing the caller's arrays for the next batch cannot change it."""
+    for size, requests in ((7, 1), (8, 1), (9, 2), (24, 3)):
+        lo, ro, sz = np.array([16]), np.array([32]), np.array([size])
+        p = plan(lo, ro, sz, max_sge=2, max_wr_bytes=8)
+        assert_well_formed(p)
+        assert len(p) == requests
+        assert p.segments() == oracle([16], [32], [size], 2, 8)
+        lo[0], ro[0], sz[0] = 0, 0, 1
+        assert p.segments() == oracle([16], [32], [size], 2, 8)

@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from moriio_async.core.plan import Plan, Segment, plan_segments
+from moriio_async.core.plan import Plan, Segment, plan, plan_segments
+from moriio_async.errors import InvalidArgument
 
 
 def i64(*values: int) -> np.ndarray:
@@ -16,9 +17,20 @@ def i64(*values: int) -> np.ndarray:
 
 
 def test_plan_segments_reads_narrow_integer_arrays_as_int64() -> None:
-    """In uint8, remote 200 + size 100 wraps to 44, which would make the second block continue the
-    first's remote range. As int64 the blocks are two requests, in remote order."""
+    """In uint8, local 200 + size 100 wraps to 44: the second block below, which continues the first on
+    the remote side, would look local-contiguous too and merge into one 110-byte piece at local 200 (bytes
+    from the wrong place). As int64 the blocks are two pieces of one request."""
     u8 = np.uint8
+    segs = plan_segments(
+        np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
+        np.array([0, 100], dtype=u8),  # type: ignore[arg-type]
+        np.array([100, 10], dtype=u8),  # type: ignore[arg-type]
+        max_sge=4,
+        max_wr_bytes=1 << 20,
+    )
+    assert segs == [Segment(0, 110, ((200, 100), (44, 10)))]
+    assert all(type(v) is int for s in segs for v in (s.remote_offset, s.length, *sum(s.pieces, ())))
+    # Remote order is int64 order too: two requests, the lower remote offset first.
     segs = plan_segments(
         np.array([0, 10], dtype=u8),  # type: ignore[arg-type]
         np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
@@ -27,7 +39,6 @@ def test_plan_segments_reads_narrow_integer_arrays_as_int64() -> None:
         max_wr_bytes=1 << 20,
     )
     assert segs == [Segment(44, 10, ((10, 10),)), Segment(200, 100, ((0, 100),))]
-    assert all(type(v) is int for s in segs for v in (s.remote_offset, s.length, *sum(s.pieces, ())))
 
 
 def test_segments_of_a_consistent_plan() -> None:
@@ -50,3 +61,54 @@ def test_segments_refuses_arrays_of_different_lengths(plan: Plan, message: str) 
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         plan.segments()
     assert str(info.value) == message
+
+
+def test_a_piece_just_below_the_previous_one_locally_is_a_scatter_entry_of_its_own() -> None:
+    """Remote-contiguous blocks whose local offsets step down (100, then 96 = 100 - 4) are not local-
+    contiguous: each keeps its own scatter entry, also where the run is cut at max_wr_bytes."""
+    lo, ro, sz = [100, 96, 500], [0, 4, 8], [4, 4, 8]
+    assert plan_segments(lo, ro, sz, max_sge=4, max_wr_bytes=1 << 20) == [Segment(0, 16, ((100, 4), (96, 4), (500, 8)))]
+    assert plan_segments(lo, ro, sz, max_sge=4, max_wr_bytes=12) == [
+        Segment(0, 12, ((100, 4), (96, 4), (500, 4))),
+        Segment(12, 4, ((504, 4),)),
+    ]
+
+
+@pytest.mark.parametrize(("max_sge", "max_wr_bytes"), [(0, 64), (64, 0), (0, 0), (-1, 64), (4, -8)])
+def test_limits_below_one_are_refused(max_sge: int, max_wr_bytes: int) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        plan_segments([0], [0], [8], max_sge=max_sge, max_wr_bytes=max_wr_bytes)
+    assert str(info.value) == "max_sge and max_wr_bytes must be positive"
+
+
+def test_limits_of_one_are_the_tightest_plan() -> None:
+    """One scatter entry and one byte a request: every byte is a request of its own."""
+    assert plan_segments([0, 100], [0, 2], [2, 1], max_sge=1, max_wr_bytes=1) == [
+        Segment(0, 1, ((0, 1),)),
+        Segment(1, 1, ((1, 1),)),
+        Segment(2, 1, ((100, 1),)),
+    ]
+    assert plan_segments([0, 100], [0, 2], [2, 1], max_sge=1, max_wr_bytes=1 << 20) == [
+        Segment(0, 2, ((0, 2),)),
+        Segment(2, 1, ((100, 1),)),
+    ]
+
+
+def test_an_empty_batch_plans_to_no_requests() -> None:
+    """check_arrays refuses an empty batch before the engine plans; planned directly, it is no requests."""
+    assert plan_segments([], [], [], max_sge=4, max_wr_bytes=64) == []
+    p = plan(i64(), i64(), i64(), max_sge=4, max_wr_bytes=64)
+    assert len(p) == 0 and p.sge_start.tolist() == [0] and len(p.sge_offset) == 0
+
+
+def test_blocks_contiguous_on_both_sides_are_one_scatter_entry() -> None:
+    """A layer's KV blocks back to back on both sides, in any input order and of any sizes, are one request
+    of one scatter entry, whatever max_sge (each join is checked against the block just before it)."""
+    for sizes in ([4, 4, 4], [4, 8, 4], [4, 8, 4, 16, 4], [16, 4, 4, 8, 12, 4]):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        total = sum(sizes)
+        for order in (slice(None), slice(None, None, -1)):
+            lo = [64 + s for s in starts][order]
+            ro = [1000 + s for s in starts][order]
+            got = plan_segments(lo, ro, sizes[order], max_sge=1, max_wr_bytes=1 << 20)
+            assert got == [Segment(1000, total, ((64, total),))]
