@@ -97,7 +97,9 @@ def _as_int64(values: Sequence[int] | npt.NDArray[np.integer], what: str) -> I64
     # Slow path, for errors only (or ints past int64, which exceed every region anyway).
     out = []
     for i, v in enumerate(items):
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool | np.bool_):  # operator.index(True) is 1: a flag is not an offset
+            raise InvalidArgument(f"{what}[{i}] is bool, not an integer")
+        if not isinstance(v, int):
             try:
                 v = operator.index(v)  # type: ignore[arg-type]
             except TypeError:
@@ -162,6 +164,8 @@ def check_block(
         return local_offset, remote_offset, size
     values = []
     for what, v in (("local_offset", local_offset), ("remote_offset", remote_offset), ("size", size)):
+        if isinstance(v, bool | np.bool_):  # operator.index(True) is 1: a flag is not an offset
+            raise InvalidArgument(f"{what} is bool, not an integer")
         if type(v) is not int:
             try:
                 v = operator.index(v)

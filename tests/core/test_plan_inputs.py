@@ -77,3 +77,16 @@ def test_blocks_of_one_byte_and_blocks_that_end_at_a_region_end_are_valid() -> N
     # One byte more is one byte too many, on either side.
     assert message([57], [0], [8], 64, 128) == "block 0: local range [57, 65) exceeds the local region (64 bytes)"
     assert message([0], [121], [8], 64, 128) == "block 0: remote range [121, 129) exceeds the remote region (128 bytes)"
+
+
+@pytest.mark.parametrize("flag", [True, np.True_], ids=["bool", "numpy-bool"])
+def test_a_bool_is_not_an_offset_or_a_size(flag: Any) -> None:
+    """``operator.index(True)`` is 1, so a flag passed by mistake would move the byte at offset 1."""
+    with pytest.raises(InvalidArgument, match=r"^local_offset is bool, not an integer$"):
+        check_block(flag, 0, 8, 64, 64)
+    with pytest.raises(InvalidArgument, match=r"^size is bool, not an integer$"):
+        check_block(0, 0, flag, 64, 64)
+    with pytest.raises(InvalidArgument, match=r"^local_offsets\[0\] is bool, not an integer$"):
+        check_arrays([flag], [0], [8], 64, 64)
+    with pytest.raises(InvalidArgument, match=r"^sizes\[0\] is bool, not an integer$"):
+        check_arrays(np.array([0, 8]), np.array([0, 8]), np.array([True, True]), 64, 64)  # a bool array
