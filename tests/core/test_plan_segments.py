@@ -16,28 +16,27 @@ def i64(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 
 
+def segments_u8(local: list[int], remote: list[int], sizes: list[int]) -> list[Segment]:
+    """``plan_segments`` of uint8 arrays (the narrow dtype whose sums wrap)."""
+    u8 = np.uint8
+    return plan_segments(
+        np.array(local, dtype=u8),  # type: ignore[arg-type]
+        np.array(remote, dtype=u8),  # type: ignore[arg-type]
+        np.array(sizes, dtype=u8),  # type: ignore[arg-type]
+        max_sge=4,
+        max_wr_bytes=1 << 20,
+    )
+
+
 def test_plan_segments_reads_narrow_integer_arrays_as_int64() -> None:
     """In uint8, local 200 + size 100 wraps to 44: the second block below, which continues the first on
     the remote side, would look local-contiguous too and merge into one 110-byte piece at local 200 (bytes
     from the wrong place). As int64 the blocks are two pieces of one request."""
-    u8 = np.uint8
-    segs = plan_segments(
-        np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
-        np.array([0, 100], dtype=u8),  # type: ignore[arg-type]
-        np.array([100, 10], dtype=u8),  # type: ignore[arg-type]
-        max_sge=4,
-        max_wr_bytes=1 << 20,
-    )
+    segs = segments_u8([200, 44], [0, 100], [100, 10])
     assert segs == [Segment(0, 110, ((200, 100), (44, 10)))]
     assert all(type(v) is int for s in segs for v in (s.remote_offset, s.length, *sum(s.pieces, ())))
     # Remote order is int64 order too: two requests, the lower remote offset first.
-    segs = plan_segments(
-        np.array([0, 10], dtype=u8),  # type: ignore[arg-type]
-        np.array([200, 44], dtype=u8),  # type: ignore[arg-type]
-        np.array([100, 10], dtype=u8),  # type: ignore[arg-type]
-        max_sge=4,
-        max_wr_bytes=1 << 20,
-    )
+    segs = segments_u8([0, 10], [200, 44], [100, 10])
     assert segs == [Segment(44, 10, ((10, 10),)), Segment(200, 100, ((0, 100),))]
 
 
