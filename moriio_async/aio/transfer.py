@@ -233,9 +233,9 @@ class Transfer:
     def attached(self) -> Attached:
         """What this transfer holds for others: a loop that waits again and again, or thousands of
         transfers in flight, must keep these bounded (the tests check it here)."""
-        lists = [x for x in (self._awaiters, self._on_end, self._watchers) if x is not None]
+        lists = sum(x is not None for x in (self._awaiters, self._on_end, self._watchers))
         callbacks = (self._first is not None) + len(self._on_end or ())
-        return Attached(len(self._awaiters or ()), len(self._watchers or ()), callbacks, len(lists))
+        return Attached(len(self._awaiters or ()), len(self._watchers or ()), callbacks, lists)
 
     def __repr__(self) -> str:
         return f"<Transfer {self.id} {self.opcode.name} {self.nbytes}B to {self.peer} {self._code.name}>"

@@ -72,7 +72,9 @@ class Responder:
 
     def stop(self) -> None:
         """Wake the serving thread and end service (from any thread)."""
-        self._shutdown(socket.SHUT_RDWR, stop=True)
+        with self._sock_lock:
+            self._stopped = True
+            self._shut_locked(socket.SHUT_RDWR)
 
     def abort(self) -> None:
         """A region this responder holds is being deregistered: end the socket call on it now.
@@ -91,9 +93,7 @@ class Responder:
                 return
             self._cut = True
             self.deadline.aborted = True
-            if self.sock.fileno() >= 0:
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RD if self._writes else socket.SHUT_RDWR)
+            self._shut_locked(socket.SHUT_RD if self._writes else socket.SHUT_RDWR)
 
     def _moving_begins(self) -> None:
         """Before a chunk's regions are pinned: from now until ``_moving_ends`` an abort shuts the socket."""
@@ -107,12 +107,10 @@ class Responder:
             self._moving = False
             return self._cut
 
-    def _shutdown(self, how: int, *, stop: bool) -> None:
-        with self._sock_lock:
-            self._stopped = self._stopped or stop
-            if self.sock.fileno() >= 0:
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(how)
+    def _shut_locked(self, how: int) -> None:
+        if self.sock.fileno() >= 0:  # under _sock_lock: close() cannot have handed the fd on
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(how)
 
     @property
     def stopped(self) -> bool:
