@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
-import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -36,52 +33,19 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-INIT_SCRIPT = HERE / "init.sh"
-STAGE2_SCRIPT = HERE / "stage2.sh"
-
-DEFAULT_CACHE = "/var/cache/moriio-async/guest"
-PYVERBS_VERSION = "59.0"
-# Cython 3.1 and newer stop in mlx5dv_flow.pyx ("Unmatched ')'") on this sdist.
-CYTHON_PIN = "cython==3.0.12"
-# Bump when the build steps change in a way the key would not notice.
-RECIPE = "3"
-
-# Debian packages the harness needs on the host (checked with dpkg first).
-APT_PACKAGES: tuple[str, ...] = (
-    "qemu-system-x86",  # the emulator (software TCG; nested KVM hangs here)
-    "busybox-static",  # the initramfs userland
-    "cpio",  # packs the initramfs
-    "kmod",  # depmod for the unpacked kernel; modprobe in the guest
-    "iproute2",  # ip (veth pairs) and rdma (rxe links) inside the guest
-    "libnl-3-dev",  # rdma-core 59 build
-    "libnl-route-3-dev",
-    "pkg-config",
-    "cmake",
-    "ninja-build",
-    "gcc",
-    "perftest",  # ib_write_bw & co. for cross-checks inside the guest
-    "ibverbs-providers",
-)
-
-# Loaded in this order by /init. crc32_generic must precede rdma_rxe; the
-# initramfs carries exactly these modules and their dependencies.
-GUEST_MODULES: tuple[str, ...] = (
-    "virtio_pci",
-    "9pnet_virtio",
-    "9p",
-    "overlay",
-    "virtio_net",
-    "veth",
-    "crc32_generic",
-    "rdma_rxe",
-    "ib_uverbs",
-    "rdma_ucm",
-    "sch_netem",
+from host import BuildError, apt_update, ensure_packages, is_root, kernel_package, log, run
+from layout import (
+    CYTHON_PIN,
+    GUEST_MODULES,
+    INIT_SCRIPT,
+    PYVERBS_VERSION,
+    Layout,
+    guest_env,
+    layout_for,
+    write_manifest,
 )
 
 # Module directories deleted from the unpacked kernel (hardware a VM lacks).
@@ -119,178 +83,6 @@ PRUNED_MODULE_DIRS: tuple[str, ...] = (
         )
     ),
 )
-
-
-def log(msg: str) -> None:
-    print(f"[guest-build] {msg}", file=sys.stderr, flush=True)
-
-
-class BuildError(RuntimeError):
-    """A step of the build failed; the message says which and why."""
-
-
-def run(
-    cmd: Sequence[str], *, cwd: Path | None = None, env: dict[str, str] | None = None, log_file: Path | None = None
-) -> None:
-    """Run a command; on failure raise BuildError with the tail of its output."""
-    printable = " ".join(shlex.quote(c) for c in cmd)
-    log(f"$ {printable}")
-    if log_file is None:
-        captured = subprocess.run(
-            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False
-        )
-        output, returncode = captured.stdout + captured.stderr, captured.returncode
-    else:
-        with log_file.open("w") as fh:
-            returncode = subprocess.run(
-                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, check=False
-            ).returncode
-        output = log_file.read_text(errors="replace")
-    if returncode != 0:
-        tail = "\n".join(output.splitlines()[-40:])
-        where = f" (full log: {log_file})" if log_file else ""
-        raise BuildError(f"command failed with exit {returncode}: {printable}{where}\n{tail}")
-
-
-def capture(cmd: Sequence[str]) -> str:
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
-    return proc.stdout if proc.returncode == 0 else ""
-
-
-def is_root() -> bool:
-    return os.geteuid() == 0
-
-
-# --------------------------------------------------------------------------- apt
-
-_apt_updated = False
-
-
-def apt_update() -> None:
-    global _apt_updated
-    if not _apt_updated:
-        run(["apt-get", "update", "-q"])
-        _apt_updated = True
-
-
-def missing_packages(packages: Sequence[str] = APT_PACKAGES) -> list[str]:
-    out = capture(["dpkg-query", "-W", "-f=${Package} ${Status}\n", *packages])
-    installed = {line.split()[0] for line in out.splitlines() if line.endswith("install ok installed")}
-    return [p for p in packages if p not in installed]
-
-
-def ensure_packages() -> float:
-    """Install the Debian packages that are missing; returns seconds spent."""
-    missing = missing_packages()
-    if not missing:
-        log("debian packages: all present")
-        return 0.0
-    if not is_root():
-        raise BuildError(f"missing Debian packages {missing}; run as root or apt-get install {' '.join(missing)}")
-    start = time.monotonic()
-    log(f"debian packages: installing {' '.join(missing)}")
-    apt_update()
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], env=env)
-    return time.monotonic() - start
-
-
-def kernel_package() -> str:
-    """The linux-image-<kver> package that linux-image-amd64 depends on now."""
-    override = os.environ.get("MORIIO_GUEST_KERNEL_PKG")
-    if override:
-        return override
-    for attempt in range(2):
-        out = capture(["apt-cache", "depends", "linux-image-amd64"])
-        for line in out.splitlines():
-            word = line.strip().removeprefix("Depends:").strip()
-            if line.strip().startswith("Depends:") and word.startswith("linux-image-"):
-                return word
-        if attempt == 0 and is_root():
-            apt_update()
-    raise BuildError(
-        "apt-cache names no kernel for linux-image-amd64 (run apt-get update as root, or set MORIIO_GUEST_KERNEL_PKG)"
-    )
-
-
-# --------------------------------------------------------------------------- layout
-
-
-def python_tag() -> str:
-    return f"cp{sys.version_info.major}{sys.version_info.minor}"
-
-
-def recipe_hash() -> str:
-    h = hashlib.sha256()
-    h.update(INIT_SCRIPT.read_bytes())
-    h.update("\n".join(GUEST_MODULES).encode())
-    h.update(f"{RECIPE}|{CYTHON_PIN}".encode())
-    return h.hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MORIIO_GUEST_CACHE") or DEFAULT_CACHE)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where everything lives inside one cache entry."""
-
-    root: Path
-    kernel_pkg: str
-
-    @property
-    def kver(self) -> str:
-        return self.kernel_pkg.removeprefix("linux-image-")
-
-    @property
-    def downloads(self) -> Path:
-        return self.root / "downloads"
-
-    @property
-    def kernel_dir(self) -> Path:
-        """dpkg -x of the kernel package; also the modprobe -d root in the guest."""
-        return self.root / "kernel"
-
-    @property
-    def vmlinuz(self) -> Path:
-        return self.kernel_dir / "boot" / f"vmlinuz-{self.kver}"
-
-    @property
-    def initramfs(self) -> Path:
-        return self.root / "initramfs.cpio.gz"
-
-    @property
-    def prefix(self) -> Path:
-        """rdma-core 59 install prefix (libibverbs, providers, ibv_* tools)."""
-        return self.root / "rdma-core"
-
-    @property
-    def site(self) -> Path:
-        """pip --target directory holding the pyverbs package."""
-        return self.root / "site"
-
-    @property
-    def manifest(self) -> Path:
-        return self.root / "manifest.json"
-
-    def stamp(self, step: str) -> Path:
-        return self.root / f".{step}.done"
-
-
-def layout_for(kernel_pkg: str) -> Layout:
-    kver = kernel_pkg.removeprefix("linux-image-")
-    key = f"linux-{kver}_pyverbs-{PYVERBS_VERSION}_{python_tag()}_{recipe_hash()}"
-    return Layout(root=cache_root() / key, kernel_pkg=kernel_pkg)
-
-
-def guest_env(lay: Layout) -> dict[str, str]:
-    """Variables that make ``import pyverbs`` load the cached build."""
-    return {
-        "LD_LIBRARY_PATH": str(lay.prefix / "lib"),
-        "PYTHONPATH": str(lay.site),
-        "MORIIO_RDMA_CORE_PREFIX": str(lay.prefix),
-    }
 
 
 @contextmanager
@@ -538,48 +330,6 @@ STEPS = (
     ("pyverbs", step_pyverbs),
     ("import", step_check_import),
 )
-
-
-def du_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with suppress(OSError):
-                total += (Path(dirpath) / name).lstat().st_blocks * 512
-    return total
-
-
-def write_manifest(lay: Layout, durations: dict[str, float]) -> None:
-    old: dict[str, object] = {}
-    if lay.manifest.exists():
-        old = json.loads(lay.manifest.read_text())
-    old_durations = old.get("build_seconds")
-    merged = dict(old_durations) if isinstance(old_durations, dict) else {}
-    merged.update({k: round(v, 1) for k, v in durations.items()})
-    manifest = {
-        "key": lay.root.name,
-        "kernel_package": lay.kernel_pkg,
-        "kernel_version": lay.kver,
-        "pyverbs_version": PYVERBS_VERSION,
-        "rdma_core_version": PYVERBS_VERSION.split(".")[0],
-        "cython_pin": CYTHON_PIN,
-        "python": sys.executable,
-        "python_version": platform.python_version(),
-        "recipe_hash": recipe_hash(),
-        "modules": list(GUEST_MODULES),
-        "paths": {
-            "root": str(lay.root),
-            "vmlinuz": str(lay.vmlinuz),
-            "initramfs": str(lay.initramfs),
-            "kernel_root": str(lay.kernel_dir),
-            "rdma_core_prefix": str(lay.prefix),
-            "pyverbs_site": str(lay.site),
-        },
-        "env": guest_env(lay),
-        "build_seconds": merged,
-        "disk_bytes": du_bytes(lay.root),
-    }
-    lay.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def ensure_built(*, install_packages: bool = True) -> Layout:
