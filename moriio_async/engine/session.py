@@ -195,7 +195,10 @@ class Session:
         the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=self._max_wr_bytes)
         if uid is not None:
             uid = self._uids.claim(uid)
-        transfer = self._new_transfer(opcode, lo_a, ro_a, sz_a, uid)
+        # check_arrays hands back a caller's int64 array as it is (planning copies what it keeps);
+        # the transfer's record is copied, so a caller refilling its arrays for the next batch
+        # does not rewrite what this one reports.
+        transfer = self._new_transfer(opcode, _owned(lo_a, lo), _owned(ro_a, ro), _owned(sz_a, sz), uid)
         mr = self._mr
         job = Job(
             transfer, the_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr, rkey=self._rkey
@@ -331,3 +334,8 @@ class Session:
 
 
 _STALE_HINT = "connect() to the peer again and create a new session with its new MemoryDesc"
+
+
+def _owned(checked: npt.NDArray[np.int64], given: object) -> npt.NDArray[np.int64]:
+    """``checked``, copied when it is the caller's own array (``check_arrays`` did not convert it)."""
+    return checked.copy() if checked is given else checked

@@ -177,3 +177,23 @@ async def test_many_sessions_share_one_completion_reader(pair: Pair) -> None:
     ts = [s.read(i * 4096, i * 4096, 4096) for i in range(64) for s in sessions[i % 4 : i % 4 + 1]]
     await asyncio.wait_for(waiting_for_transfer_complete(ts, timeout=10), 15)
     assert np.array_equal(pair.buf_a[: 64 * 4096], pair.buf_b[: 64 * 4096])
+
+
+async def test_the_callers_arrays_can_be_reused_once_a_batch_is_posted(held: Pair) -> None:
+    """int64 arrays are planned without a copy, but the transfer keeps what was posted: a caller that
+    refills its offset arrays for the next batch changes neither the bytes moved nor the report."""
+    lo = np.array([0, 8192, 4096], dtype=np.int64)
+    ro = np.array([4096, 0, 8192], dtype=np.int64)
+    sz = np.array([64, 128, 256], dtype=np.int64)
+    held.buf_a[:] = np.arange(held.buf_a.size, dtype=np.uint64).astype(np.uint8)
+    t = held.session.batch_write(lo, ro, sz)
+    lo[:] = 1
+    ro[:] = 2
+    sz[:] = 3
+    held.session.channel.qp.step(3)  # type: ignore[attr-defined]
+    await t
+    assert t.local_offsets == (0, 8192, 4096)
+    assert t.remote_offsets == (4096, 0, 8192)
+    assert t.sizes == (64, 128, 256)
+    for a, b, n in zip((0, 8192, 4096), (4096, 0, 8192), (64, 128, 256), strict=True):
+        assert np.array_equal(held.buf_b[b : b + n], held.buf_a[a : a + n])
