@@ -145,7 +145,7 @@ def test_resolve_checks_every_triple_and_places_it_in_its_region() -> None:
 @pytest.mark.parametrize(
     ("length", "dst_offsets"),
     [
-        (64, [0, 64, 128, 4096 * 8]),  # back to back, then apart
+        (64, [0, 64, 128, 4096 * 8, (1 << 20) - 64]),  # back to back, then apart, the last at the very end
         (64, [320, 0, 64]),  # out of order
         (64, [0, 32, 8]),  # overlapping destinations: the later block wins
         (VECTOR_MAX, [i * VECTOR_MAX for i in (3, 0, 7, 1, 2, 4, 5, 6, 9)]),  # several groups
@@ -160,6 +160,7 @@ def test_copy_between_two_regions_is_the_blocks_one_after_another(length: int, d
     rng = np.random.default_rng(3)
     k = len(dst_offsets)
     src_offsets = rng.integers(0, size - length, k).tolist()
+    src_offsets[-1] = size - length  # the last block of the source too
     s, d = blocks([src], [0] * k, src_offsets), blocks([dst], [0] * k, dst_offsets)
     lengths = np.full(k, length, np.uint64)
     expected = dst.array.copy()
