@@ -243,3 +243,5 @@ def test_blocks_are_independent_only_apart_and_in_other_memory() -> None:
     assert not independent(a, a, offs, 8)
     assert independent(a, b, np.array([5], np.int64), 4096)
     assert not independent(a, b, np.array([9, 9], np.int64), 1)
+    assert not independent(a, b, np.array([0, 100, 110], np.int64), 64)  # only the last two overlap
+    assert not independent(a, b, np.array([110, 0, 100, 300], np.int64), 64)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from moriio_async.backends import open_backend
-from moriio_async.backends.base import QpState, SendQueueFull
+from moriio_async.backends.base import MemoryRegion, QpState, SendQueueFull
 from moriio_async.errors import InvalidArgument, PeerError
-from moriio_async.status import Opcode, WcStatus
+from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkRequest
 
 from .harness import Pair, PairFactory, make_options, statuses, wr_ids
@@ -217,3 +217,68 @@ def test_what_connect_refuses() -> None:
             c.connect({"accepting": True, "token": token})
     finally:
         backend.close()
+
+
+# (local access, remote access): what a WRITE and a READ complete with. A WRITE reads local memory
+# (no right needed) and needs REMOTE_WRITE; a READ writes local memory (LOCAL_WRITE) and needs REMOTE_READ.
+NONE, LW, RR, LWRW = Access(0), Access.LOCAL_WRITE, Access.REMOTE_READ, Access.LOCAL_WRITE | Access.REMOTE_WRITE
+ACCESS = [(la, ra) for la in (NONE, LW, RR) for ra in (NONE, RR, LWRW)]
+
+
+def expected_status(op: Opcode, local: Access, remote: Access) -> WcStatus:
+    if op is R and not local & Access.LOCAL_WRITE:
+        return WcStatus.LOC_PROT_ERR
+    if not remote & (Access.REMOTE_READ if op is R else Access.REMOTE_WRITE):
+        return WcStatus.REM_ACCESS_ERR
+    return WcStatus.SUCCESS
+
+
+def sges(mr: MemoryRegion, i: int, *, two: bool) -> tuple[Sge, ...]:
+    """Request ``i``'s block of ``mr``: one SGE, or its two halves."""
+    at, half = mr.addr + i * SIZE, SIZE // 2
+    return (Sge(at, half, mr.lkey), Sge(at + half, half, mr.lkey)) if two else (Sge(at, SIZE, mr.lkey),)
+
+
+@pytest.mark.parametrize("shape", ["one", "held-one", "two-sges", "chunk"])
+@pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
+def test_access_rights_at_both_ends_for_every_shape_of_post(pairs: PairFactory, op: Opcode, shape: str) -> None:
+    """The quick path of a single request, the general one (held, or several SGEs) and a chunk of equal
+    requests apply the same rights, and a refused request moves no byte."""
+    for local_access, remote_access in ACCESS:
+        pair = pairs(extra={"hold": shape == "held-one"})
+        src = np.random.default_rng(1).integers(0, 256, 4 * SIZE, dtype=np.uint8)
+        dst = np.random.default_rng(2).integers(0, 256, 4 * SIZE, dtype=np.uint8)
+        mine = pair.a.register(src if op is W else dst, local_access)
+        theirs = pair.b.register(dst if op is W else src, remote_access)
+        k = 4 if shape == "chunk" else 1
+        wrs = [WorkRequest(i, op, sges(mine, i, two=shape == "two-sges"), theirs.addr + i * SIZE, theirs.rkey)
+               for i in range(k)]  # fmt: skip
+        before = dst.copy()
+        pair.a.qp.post_send(wrs)
+        pair.a.qp.step(k)
+        want = expected_status(op, local_access, remote_access)
+        got = statuses(pair.waiter.wait(k))
+        flushed = [WcStatus.WR_FLUSH_ERR] * (k - 1)
+        assert got == ([want, *flushed] if want else [want] * k), (local_access, remote_access)
+        if want is WcStatus.SUCCESS:
+            assert np.array_equal(dst[: k * SIZE], src[: k * SIZE])
+        else:
+            assert np.array_equal(dst, before), "a refused request moved bytes"
+
+
+def test_the_slots_of_a_failure_and_its_flushes_come_back_exactly(pairs: PairFactory) -> None:
+    pair = pairs(sq_depth=4)
+    qp = pair.a.qp
+    qp.post_send(requests(pair, [W], [False]))
+    qp.post_send([pair.wr(1, W, [(0, SIZE)], 0, rkey=pair.b.mr.rkey ^ 2)])
+    wcs = pair.a.cq.poll(8)  # the failure frees its own slot and the success before it
+    assert [(wc.wr_id, wc.status, wc.byte_len, wc.qp_num) for wc in wcs] == [(1, WcStatus.REM_ACCESS_ERR, 0, qp.qp_num)]
+    qp.post_send(requests(pair, [W, R]))  # in ERR: flushed at once, one slot each
+    wcs = pair.a.cq.poll(8)
+    assert [(wc.wr_id, wc.status, wc.byte_len, wc.qp_num) for wc in wcs] == [
+        (0, WcStatus.WR_FLUSH_ERR, 0, qp.qp_num),
+        (1, WcStatus.WR_FLUSH_ERR, 0, qp.qp_num),
+    ]
+    qp.post_send(requests(pair, [W, W, W, W]))  # all four slots are free again, and no more
+    with pytest.raises(SendQueueFull, match="1 requests, 0 free slots of 4"):
+        qp.post_send(requests(pair, [W]))

@@ -214,11 +214,19 @@ def test_a_target_check_pins_what_the_blocks_before_the_failure_use() -> None:
     checked = table.check_remote(W, *arrays((x.rkey, x.addr, 8), (x.rkey, x.addr + 4096, 8), (y.rkey, y.addr, 8)))
     assert result(checked) == (1, VendorErr.REMOTE_OUT_OF_BOUNDS)
     assert (x.pins, y.pins) == (1, 0) and checked.pinned == [x]
+    assert [(checked.found[j], r) for j, r in checked.used()] == [(x, x)]
     checked.unpin()
     assert checked.pinned == [] and x.pins == 0
     # Nothing before a failure at the first block: nothing pinned.
     checked = table.check_remote_one(W, x.rkey, x.addr + 4096, 8, holder)
     assert (x.pins, checked.pinned) == (0, [])
+    assert checked.used() == []
+    checked = table.check_remote_one(W, y.rkey, y.addr, 8)
+    assert checked.used() == [(0, y)] and checked.pinned == [y]
+    checked.unpin()
+    checked = table.check_remote(W, *arrays((y.rkey, y.addr, 8), (y.rkey, y.addr + 8, 8)))
+    assert checked.used() == [(0, y)] and checked.pinned == [y] and y.pins == 1
+    checked.unpin()
 
 
 def test_a_region_dying_between_lookup_and_pin_fails_its_first_block_as_deregistered() -> None:
