@@ -137,6 +137,11 @@ def test_resolve_checks_every_triple_and_places_it_in_its_region() -> None:
     assert len(empty.ok) == 0 and len(empty.index) == 0
     unknown = table.resolve(keys[[8, 8]], addrs[[8, 8]], lengths[[8, 8]], Access(0))
     assert unknown.ok.tolist() == [False, False]
+    # An unknown key or a missing right fails even an empty block at address 0 (where the bounds of
+    # "no region", 0 to 0, would hold).
+    zero = np.zeros(2, np.uint64)
+    assert not table.resolve(np.array([y.lkey + 2, x.lkey], np.uint32), zero, zero, Access(0)).ok[0]
+    assert not table.resolve(np.array([y.lkey, x.lkey], np.uint32), zero, zero, Access.REMOTE_WRITE).ok.any()
 
 
 # -- the copies ------------------------------------------------------------------------------------------
