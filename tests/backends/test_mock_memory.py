@@ -197,6 +197,15 @@ def test_copy_within_one_region_or_over_several_follows_posting_order() -> None:
     assert np.array_equal(z.array, want_z) and np.array_equal(r.array, want_r)
     copy(s, d, np.zeros(0, np.uint64))  # nothing
     assert np.array_equal(z.array, want_z)
+    # Several regions on one side or both, blocks of one length: each block in its own region.
+    for src_regions, dst_regions in (([x, y], [z]), ([x], [z, r]), ([x, y], [z, r])):
+        s = blocks(src_regions, [i % len(src_regions) for i in range(4)], [0, 64, 128, 192])
+        d = blocks(dst_regions, [i % len(dst_regions) for i in range(4)], [1000, 2000, 3000, 3500])
+        lengths = np.full(4, 64, np.uint64)
+        want = [reg.array.copy() for reg in dst_regions]
+        one_by_one([reg.array for reg in src_regions], want, s, d, lengths)
+        copy(s, d, lengths)
+        assert all(np.array_equal(reg.array, w) for reg, w in zip(dst_regions, want, strict=True))
 
 
 def test_a_single_block_and_blocks_of_different_lengths() -> None:

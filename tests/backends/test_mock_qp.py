@@ -239,7 +239,7 @@ def sges(mr: MemoryRegion, i: int, *, two: bool) -> tuple[Sge, ...]:
     return (Sge(at, half, mr.lkey), Sge(at + half, half, mr.lkey)) if two else (Sge(at, SIZE, mr.lkey),)
 
 
-@pytest.mark.parametrize("shape", ["one", "held-one", "two-sges", "chunk"])
+@pytest.mark.parametrize("shape", ["one", "held-one", "two-sges", "chunk", "chunk-two-sges"])
 @pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
 def test_access_rights_at_both_ends_for_every_shape_of_post(pairs: PairFactory, op: Opcode, shape: str) -> None:
     """The quick path of a single request, the general one (held, or several SGEs) and a chunk of equal
@@ -250,8 +250,8 @@ def test_access_rights_at_both_ends_for_every_shape_of_post(pairs: PairFactory, 
         dst = np.random.default_rng(2).integers(0, 256, 4 * SIZE, dtype=np.uint8)
         mine = pair.a.register(src if op is W else dst, local_access)
         theirs = pair.b.register(dst if op is W else src, remote_access)
-        k = 4 if shape == "chunk" else 1
-        wrs = [WorkRequest(i, op, sges(mine, i, two=shape == "two-sges"), theirs.addr + i * SIZE, theirs.rkey)
+        k = 4 if shape.startswith("chunk") else 1
+        wrs = [WorkRequest(i, op, sges(mine, i, two=shape.endswith("two-sges")), theirs.addr + i * SIZE, theirs.rkey)
                for i in range(k)]  # fmt: skip
         before = dst.copy()
         pair.a.qp.post_send(wrs)
@@ -281,4 +281,16 @@ def test_the_slots_of_a_failure_and_its_flushes_come_back_exactly(pairs: PairFac
     ]
     qp.post_send(requests(pair, [W, W, W, W]))  # all four slots are free again, and no more
     with pytest.raises(SendQueueFull, match="1 requests, 0 free slots of 4"):
+        qp.post_send(requests(pair, [W]))
+
+
+def test_the_successes_of_a_second_run_wait_for_the_next_completion(pairs: PairFactory) -> None:
+    pair = pairs(sq_depth=6)
+    qp = pair.a.qp
+    qp.post_send(requests(pair, [W, W, R, R], [True, True, False, False]))  # a WRITE run, then a READ run
+    qp.post_send(requests(pair, [W], first=4))  # covers the two READs
+    wcs = pair.a.cq.poll(8)
+    assert [wc.wr_id for wc in wcs] == [0, 1, 4] and all(moved(pair, i, op) for i, op in enumerate([W, W, R, R, W]))
+    qp.post_send(requests(pair, [W] * 6, [False] * 6))  # every slot is free again, and no more
+    with pytest.raises(SendQueueFull, match="1 requests, 0 free slots of 6"):
         qp.post_send(requests(pair, [W]))
