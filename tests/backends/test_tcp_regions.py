@@ -111,6 +111,15 @@ def test_the_key_stream_hands_out_its_permutation_of_the_counter_in_order() -> N
     assert keys == [k for k in map(stream.permute, range(201)) if k][:200]
 
 
+def test_the_key_stream_permutes_counters_of_all_32_bits() -> None:
+    # Both 16-bit halves of the counter vary (the other test's sample keeps the high half 0).
+    xs = [hi << 16 | lo for hi in (*range(128), *range(0xFF80, 0x10000)) for lo in (0, 1, 0x7FFF, 0xFFFF)]
+    stream = KeyStream()
+    keys = [stream.permute(x) for x in xs]
+    assert len(set(keys)) == len(xs) and all(0 <= k < 1 << 32 for k in keys)
+    assert max(keys) >= 1 << 31  # the high bit is used
+
+
 # -- the checks ------------------------------------------------------------------------------------------
 
 
