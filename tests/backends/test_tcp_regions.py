@@ -141,15 +141,24 @@ def test_a_remote_check_names_the_first_failing_block_and_why(one: bool) -> None
         ((W, ro.rkey, ro.addr + 4090, 8), (0, VendorErr.REMOTE_OUT_OF_BOUNDS)),  # bounds before access
         ((W, rw.lkey, a, 8), (0, VendorErr.UNKNOWN_RKEY)),  # an lkey is no rkey
     ]
-    for (op, key, addr, length), expected in cases:
+    good = (rw.rkey, a, 64)
+    for (op, key, addr, length), (ok, vendor) in cases:
         if one:
             checked = table.check_remote_one(op, key, addr, length)
-        else:
+            assert result(checked) == (ok, vendor), (op, key, addr - a, length)
+            checked.unpin()
             checked = table.check_remote(op, *arrays((key, addr, length)))
-        assert result(checked) == expected, (op, key, addr - a, length)
+            assert result(checked) == (ok, vendor), (op, key, addr - a, length)
+        else:  # behind a good block of the same region, and of another
+            for before in (good, (ro.rkey, ro.addr, 8)):
+                if before[0] == ro.rkey and op == W:
+                    continue
+                checked = table.check_remote(op, *arrays(before, (key, addr, length)))
+                assert result(checked) == (1 + ok, vendor), (op, key, addr - a, length, before)
+                checked.unpin()
+            continue
         checked.unpin()
     # In a chunk of several blocks, the first bad one counts, with its own reason.
-    good = (rw.rkey, a, 64)
     for (op, key, addr, length), (ok, vendor) in cases:
         if ok or one:
             continue
