@@ -212,6 +212,8 @@ def test_local_checks_need_local_write_only_where_the_nic_writes() -> None:
         assert check(rw.lkey, rw.addr + 1, 4096, write=False) == (0, VendorErr.LOCAL_OUT_OF_BOUNDS)
         assert check(rw.rkey, rw.addr, 8, write=False) == (0, VendorErr.UNKNOWN_LKEY)
     assert result(table.check_local(*arrays(), write=True)) == (0, VendorErr.NONE)
+    empty = table.check_remote(R, *arrays())
+    assert result(empty) == (0, VendorErr.NONE) and empty.found == [] and empty.pinned == []
     ro.kill()  # dead while still in the table (deregistration under way): no longer usable
     assert result(table.check_local_one(ro.lkey, ro.addr, 8, False)) == (0, VendorErr.LOCAL_NO_ACCESS)
     assert result(table.check_local(*arrays((ro.lkey, ro.addr, 8), (ro.lkey, ro.addr, 8)), False)) == (
