@@ -69,13 +69,18 @@ def test_registration_records_the_buffer_and_its_access() -> None:
     r = table.register(memoryview(buf), Access.LOCAL_WRITE | Access.REMOTE_READ)
     assert (r.addr, r.length) == (buf.ctypes.data, 256)
     assert r.view.format == "B" and r.view.nbytes == 256
+    for other in (np.zeros(64, np.uint32), np.zeros((4, 64), np.uint8)):  # one of the two conditions each
+        extra = table.register(memoryview(other), Access.LOCAL_WRITE)
+        assert (extra.view.format, extra.view.ndim, extra.view.nbytes) == ("B", 1, 256)
+        table.deregister(extra)
     assert (r.can_local_write, r.can_remote_write, r.can_remote_read) == (True, False, True)
     assert r.live and not r.exported and r.lkey != r.rkey and 0 not in (r.lkey, r.rkey)
     assert table.by_lkey == {r.lkey: r} and table.by_rkey == {}
     w = table.register(memoryview(np.zeros(8, np.uint8)), Access.LOCAL_WRITE | Access.REMOTE_WRITE)
     assert (w.can_local_write, w.can_remote_write, w.can_remote_read) == (True, True, False)
-    with pytest.raises(InvalidArgument, match="REMOTE_WRITE access needs LOCAL_WRITE too"):
+    with pytest.raises(InvalidArgument, match="^REMOTE_WRITE access needs LOCAL_WRITE too") as refused:
         table.register(memoryview(np.zeros(8, np.uint8)), Access.REMOTE_WRITE | Access.REMOTE_READ)
+    assert refused.value.hint == "register with Access.LOCAL_WRITE | REMOTE_WRITE"
     assert len(table.by_lkey) == 2
 
 
