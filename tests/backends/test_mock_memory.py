@@ -55,7 +55,7 @@ def test_registration_keys_and_views() -> None:
     assert buf.flat[0] == 0xFFFF and bytes(r.view[:2]) == b"\xff\xff"  # the region is the buffer
     keys = {register(table, 8).lkey for _ in range(2000)}
     assert len(keys) == 2000 and r.lkey not in keys
-    with pytest.raises(InvalidArgument, match="^REMOTE_WRITE access needs LOCAL_WRITE too") as refused:
+    with pytest.raises(InvalidArgument, match=r"^REMOTE_WRITE access needs LOCAL_WRITE too") as refused:
         table.register(memoryview(np.zeros(8, np.uint8)), Access.REMOTE_WRITE)
     assert refused.value.hint == "register with Access.LOCAL_WRITE | REMOTE_WRITE"
 

@@ -78,7 +78,7 @@ def test_registration_records_the_buffer_and_its_access() -> None:
     assert table.by_lkey == {r.lkey: r} and table.by_rkey == {}
     w = table.register(memoryview(np.zeros(8, np.uint8)), Access.LOCAL_WRITE | Access.REMOTE_WRITE)
     assert (w.can_local_write, w.can_remote_write, w.can_remote_read) == (True, True, False)
-    with pytest.raises(InvalidArgument, match="^REMOTE_WRITE access needs LOCAL_WRITE too") as refused:
+    with pytest.raises(InvalidArgument, match=r"^REMOTE_WRITE access needs LOCAL_WRITE too") as refused:
         table.register(memoryview(np.zeros(8, np.uint8)), Access.REMOTE_WRITE | Access.REMOTE_READ)
     assert refused.value.hint == "register with Access.LOCAL_WRITE | REMOTE_WRITE"
     assert len(table.by_lkey) == 2
