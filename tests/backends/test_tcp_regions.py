@@ -198,6 +198,10 @@ def test_a_chunk_over_several_regions_finds_each_block_in_its_own() -> None:
             checked = table.check_remote(R, *arrays(*chunk))
             assert result(checked) == (where, vendor), (bad, where)
             checked.unpin()
+    # Every block under one unknown key.
+    unknown = arrays((7, x.addr, 8), (7, x.addr + 8, 8))
+    assert result(table.check_remote(R, *unknown)) == (0, VendorErr.UNKNOWN_RKEY)
+    assert result(table.check_local(*unknown, write=False)) == (0, VendorErr.UNKNOWN_LKEY)
     assert x.pins == y.pins == z.pins == 0
 
 
