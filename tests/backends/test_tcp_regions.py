@@ -271,10 +271,16 @@ def test_a_region_dying_between_lookup_and_pin_fails_its_first_block_as_deregist
     assert (x.pins, y.pins, z.pins) == (1, 0, 1)
     checked.unpin()
     # Dead before the blocks of a region only later blocks use: those are unpinned again.
+    holder = Holder()
     blocks = [(x.rkey, x.addr, 8), (y.rkey, y.addr, 8), (z.rkey, z.addr, 8)]
-    checked = table.check_remote(W, *arrays(*blocks))
+    checked = table.check_remote(W, *arrays(*blocks), holder)
     assert result(checked) == (1, VendorErr.REMOTE_DEREGISTERED)
     assert (x.pins, y.pins, z.pins) == (1, 0, 0) and checked.pinned == [x]
+    assert (x.holders, z.holders) == ({holder: 1}, {})
+    checked.unpin()
+    # Two regions, the dead one first used by the second block.
+    checked = table.check_remote(W, *arrays((x.rkey, x.addr, 8), (y.rkey, y.addr, 8), (x.rkey, x.addr + 8, 8)))
+    assert result(checked) == (1, VendorErr.REMOTE_DEREGISTERED) and checked.pinned == [x]
     checked.unpin()
     # A later failure stays where it is when the dead region is used after it.
     blocks = [(x.rkey, x.addr, 8), (x.rkey, x.addr + 4096, 8), (y.rkey, y.addr, 8)]
@@ -317,6 +323,8 @@ def test_deregistration_aborts_the_holders_and_returns_once_they_unpinned() -> N
 def test_deregistration_waits_for_a_pin_without_holder_and_aborts_no_one() -> None:
     table, (r,), _ = table_with(Access.all())
     peer = Holder()
+    assert r.pin()
+    r.unpin()  # an earlier call, ended while the region was live
     assert r.pin() and r.pin(peer)
     done = threading.Event()
     t = threading.Thread(target=lambda: (table.deregister(r), done.set()))
