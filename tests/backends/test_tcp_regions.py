@@ -250,9 +250,10 @@ def test_a_target_check_pins_what_the_blocks_before_the_failure_use() -> None:
     checked = table.check_remote_one(W, x.rkey, x.addr + 4096, 8, holder)
     assert (x.pins, checked.pinned) == (0, [])
     assert checked.used() == []
-    checked = table.check_remote_one(W, y.rkey, y.addr, 8)
-    assert checked.used() == [(0, y)] and checked.pinned == [y]
+    checked = table.check_remote_one(W, y.rkey, y.addr, 8, holder)
+    assert checked.used() == [(0, y)] and checked.pinned == [y] and y.holders == {holder: 1}
     checked.unpin()
+    assert y.holders == {} and y.pins == 0
     checked = table.check_remote(W, *arrays((y.rkey, y.addr, 8), (y.rkey, y.addr + 8, 8)))
     assert checked.used() == [(0, y)] and checked.pinned == [y] and y.pins == 1
     checked.unpin()
