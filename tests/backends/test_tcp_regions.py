@@ -69,6 +69,10 @@ def test_registration_records_the_buffer_and_its_access() -> None:
     r = table.register(memoryview(buf), Access.LOCAL_WRITE | Access.REMOTE_READ)
     assert (r.addr, r.length) == (buf.ctypes.data, 256)
     assert r.view.format == "B" and r.view.nbytes == 256
+    empty = np.zeros(0, np.uint8)
+    nothing = table.register(memoryview(empty), Access.LOCAL_WRITE)  # a region of no bytes is allowed
+    assert (nothing.addr, nothing.length) == (empty.ctypes.data, 0)
+    table.deregister(nothing)
     for other in (np.zeros(64, np.uint32), np.zeros((4, 64), np.uint8)):  # one of the two conditions each
         extra = table.register(memoryview(other), Access.LOCAL_WRITE)
         assert (extra.view.format, extra.view.ndim, extra.view.nbytes) == ("B", 1, 256)
