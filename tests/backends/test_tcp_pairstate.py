@@ -92,6 +92,19 @@ def test_the_sender_takes_chunks_in_posting_order_up_to_its_byte_budget() -> Non
         assert st.take_locked(1 << 20) == []
 
 
+def test_the_byte_budget_is_summed_over_chunks_and_reached_exactly() -> None:
+    st = pair()
+    with st.lock:
+        for i in range(3):
+            st.admit_locked(batch([W], [100], first=i))
+        assert spans(st.take_locked(150)) == [(0, 1), (0, 1)] and len(st.pending) == 1  # 100, then 200
+        assert spans(st.take_locked(1)) == [(0, 1)]  # a budget of one byte still takes a chunk
+    st = pair()
+    with st.lock:
+        st.admit_locked(batch([W, W, R], [100, 100, 100]))
+        assert spans(st.take_locked(200)) == [(0, 2)]  # exactly the budget: no more
+
+
 def test_a_hooked_pair_takes_one_request_a_chunk() -> None:
     st = pair(Hooks())
     with st.lock:
