@@ -7,6 +7,10 @@ No sockets and no threads: each step is called directly under the pair's lock.""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 
 from moriio_async.backends.base import QpState
@@ -245,3 +249,71 @@ def test_chunk_bytes_count_writes_only() -> None:
         # READs carry no payload: the budget of 15 bytes is spent by the first WRITE chunk (30 bytes).
         assert spans(st.take_locked(15)) == [(0, 1), (1, 2), (2, 3), (3, 6)]
         assert len(st.pending) == 1 and st.pending[0].pos == 0
+
+
+def test_a_later_chunk_of_a_span_counts_only_its_own_bytes() -> None:
+    st = pair()
+    with st.lock:
+        st.admit_locked(batch([W, W, R, W, W], [100] * 5))
+        st.admit_locked(batch([W], [100], first=5))
+        st.admit_locked(batch([W], [100], first=6))
+        # 200, 0, then 200 for requests 3 and 4 (not 500, nor 0): 400 < 401, so one more, 500.
+        assert spans(st.take_locked(401)) == [(0, 2), (2, 3), (3, 5), (0, 1)] and len(st.pending) == 1
+
+
+def test_a_preset_inside_a_chunk_splits_it_in_place() -> None:
+    st = pair()
+    with st.lock:
+        st.admit_locked(batch([W, W, R, R]))
+        chunks = st.take_locked(1 << 20)
+        assert spans(chunks) == [(0, 2), (2, 4)]
+        assert st.settle_locked(chunks, {0: (1, WcStatus.LOC_PROT_ERR, VendorErr.UNKNOWN_LKEY)})
+        assert spans(list(st.wire)) == [(0, 1), (1, 2), (2, 4)]
+        assert [c.sent for c in st.wire] == [True, False, False]  # nothing after the failure is sent
+        st.complete_locked(st.wire[0], 1)
+        st.complete_presets_locked()
+    assert polled(st) == [
+        (0, WcStatus.SUCCESS, 0),
+        (1, WcStatus.LOC_PROT_ERR, VendorErr.UNKNOWN_LKEY),
+        (2, WcStatus.WR_FLUSH_ERR, 0),
+        (3, WcStatus.WR_FLUSH_ERR, 0),
+    ]
+
+
+def test_settling_the_head_wakes_the_receiver() -> None:
+    st = pair()
+    woke: list[float] = []
+
+    def receiver() -> None:
+        with st.lock:
+            started = time.monotonic()
+            while not (st.wire and st.wire[0].sent):
+                if not st.recv_cv.wait(10):
+                    break
+            woke.append(time.monotonic() - started)
+
+    with st.lock:
+        st.admit_locked(batch([W]))
+        chunks = st.take_locked(1 << 20)
+    t = threading.Thread(target=receiver)
+    t.start()
+    time.sleep(0.2)  # the receiver waits for the head to be sent
+    with st.lock:
+        st.settle_locked(chunks, {})
+    t.join(15)
+    assert woke and woke[0] < 5, "the receiver was not woken"
+
+
+def test_entering_err_with_a_socket_that_cannot_shut_down_still_flushes() -> None:
+    st = pair()
+    st.sock = socket.socket()  # never connected: shutdown fails (ENOTCONN), which is ignored
+    try:
+        with st.lock:
+            st.admit_locked(batch([W, R]))
+            chunks = st.take_locked(1 << 20)
+            st.settle_locked(chunks, {})
+            assert spans(list(st.wire)) == [(0, 1), (1, 2)]  # two chunks on the wire
+        st.fail(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
+    finally:
+        st.sock.close()
+    assert polled(st) == [(0, WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE), (1, WcStatus.WR_FLUSH_ERR, 0)]
