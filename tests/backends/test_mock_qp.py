@@ -197,8 +197,13 @@ def test_what_connect_refuses() -> None:
         assert len(str(ep["token"])) == 16 and ep["token"] != b.endpoint()["token"]
         with pytest.raises(InvalidArgument, match="not a mock queue-pair endpoint"):
             a.connect({"backend": "tcp", "accepting": True, "token": ep["token"]})
-        with pytest.raises(PeerError, match=f"qp {b.qp_num}: no mock queue pair with token 'nope' waits"):
+        with pytest.raises(PeerError, match=f"qp {b.qp_num}: no mock queue pair with token 'nope' waits") as refused:
             b.connect({"backend": "mock", "accepting": True, "token": "nope"})
+        assert refused.value.hint == (
+            "the mock connects engines of one process (and one MockFabric); use tcp across processes"
+        )
+        with pytest.raises(PeerError, match="no mock queue pair with token '' waits"):
+            b.connect({"backend": "mock", "accepting": True})
         assert b.state == QpState.INIT
         a.connect({"backend": "mock", "accepting": False, "token": "x"})  # passive: waits for b
         assert a.state == QpState.RTS and a.endpoint()["accepting"] is True
@@ -294,3 +299,14 @@ def test_the_successes_of_a_second_run_wait_for_the_next_completion(pairs: PairF
     qp.post_send(requests(pair, [W] * 6, [False] * 6))  # every slot is free again, and no more
     with pytest.raises(SendQueueFull, match="1 requests, 0 free slots of 6"):
         qp.post_send(requests(pair, [W]))
+
+
+def test_the_smallest_queue_takes_one_request_of_one_sge(pairs: PairFactory) -> None:
+    pair = pairs(sq_depth=1, max_sge=1)
+    qp = pair.a.qp
+    with pytest.raises(SendQueueFull, match=r"^2 requests, 1 free slots of 1$"):
+        qp.post_send(requests(pair, [W, W]))
+    with pytest.raises(InvalidArgument, match=f"^2 SGEs, qp {qp.qp_num} takes at most 1$"):
+        qp.post_send([pair.wr(0, W, [(0, 8), (8, 8)], 0)])
+    qp.post_send(requests(pair, [W]))
+    assert statuses(pair.waiter.wait(1)) == [WcStatus.SUCCESS]
