@@ -73,7 +73,7 @@ def test_registration_records_the_buffer_and_its_access() -> None:
     nothing = table.register(memoryview(empty), Access.LOCAL_WRITE)  # a region of no bytes is allowed
     assert (nothing.addr, nothing.length) == (empty.ctypes.data, 0)
     table.deregister(nothing)
-    for other in (np.zeros(64, np.uint32), np.zeros((4, 64), np.uint8)):  # one of the two conditions each
+    for other in (np.zeros(64, np.uint32), np.zeros((4, 64), np.uint8), np.zeros(256, np.int8)):  # one differs each
         extra = table.register(memoryview(other), Access.LOCAL_WRITE)
         assert (extra.view.format, extra.view.ndim, extra.view.nbytes) == ("B", 1, 256)
         table.deregister(extra)
