@@ -4,6 +4,8 @@ blocks one after another gives, whatever their shape, overlap or number."""
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 
@@ -58,6 +60,15 @@ def test_registration_keys_and_views() -> None:
     with pytest.raises(InvalidArgument, match=r"^REMOTE_WRITE access needs LOCAL_WRITE too") as refused:
         table.register(memoryview(np.zeros(8, np.uint8)), Access.REMOTE_WRITE)
     assert refused.value.hint == "register with Access.LOCAL_WRITE | REMOTE_WRITE"
+
+
+def test_a_key_drawn_again_is_redrawn_never_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = MemoryTable()
+    draws = iter([4, 5, 5, 4, 8])  # keys 5, then 5 and 5 again (taken), then 9
+    monkeypatch.setattr(secrets, "randbits", lambda bits: next(draws))
+    first, second = register(table, 64), register(table, 64)
+    assert (first.lkey, second.lkey) == (5, 9)
+    assert table.lookup(5, first.addr, 8, 0) is first and table.lookup(9, second.addr, 8, 0) is second
 
 
 def test_a_single_block_lookup_checks_key_bounds_and_access() -> None:
