@@ -280,6 +280,17 @@ def test_a_preset_inside_a_chunk_splits_it_in_place() -> None:
     ]
 
 
+def test_a_preset_in_a_later_chunk_keeps_posting_numbers() -> None:
+    st = pair()
+    with st.lock:
+        st.admit_locked(batch([W, W, R, R, R]))
+        chunks = st.take_locked(1 << 20)
+        assert spans(chunks) == [(0, 2), (2, 5)]
+        assert st.settle_locked(chunks, {1: (3, WcStatus.LOC_PROT_ERR, VendorErr.LOCAL_NO_ACCESS)})
+        assert [(c.lo, c.hi, c.seq) for c in st.wire] == [(0, 2, 0), (2, 3, 2), (3, 5, 3)]
+        assert st.wire[2].wire_seq(4) == 4
+
+
 def test_settling_the_head_wakes_the_receiver() -> None:
     st = pair()
     woke: list[float] = []
@@ -316,4 +327,8 @@ def test_entering_err_with_a_socket_that_cannot_shut_down_still_flushes() -> Non
         st.fail(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
     finally:
         st.sock.close()
-    assert polled(st) == [(0, WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE), (1, WcStatus.WR_FLUSH_ERR, 0)]
+    wcs = st.cq.poll(8)
+    assert [(wc.wr_id, wc.status, wc.vendor_err, wc.byte_len, wc.qp_num) for wc in wcs] == [
+        (0, WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE, 0, QP),
+        (1, WcStatus.WR_FLUSH_ERR, 0, 0, QP),
+    ]
