@@ -291,6 +291,19 @@ def test_a_preset_in_a_later_chunk_keeps_posting_numbers() -> None:
         assert st.wire[2].wire_seq(4) == 4
 
 
+def test_a_preset_success_behind_the_head_completes_once_the_head_does() -> None:
+    st = pair()
+    with st.lock:
+        st.admit_locked(batch([W, W, R, R], signaled=[True, False, False, True]))
+        chunks = st.take_locked(1 << 20)
+        assert st.settle_locked(chunks, {1: (2, WcStatus.SUCCESS, 0)})
+        assert polled(st) == []  # the head is on the wire
+        st.complete_locked(st.wire[0], 2)
+        st.complete_presets_locked()
+        assert not st.wire and st.uncovered == 0
+    assert polled(st) == [(0, WcStatus.SUCCESS, 0), (3, WcStatus.SUCCESS, 0)] and st.released == 4
+
+
 def test_settling_the_head_wakes_the_receiver() -> None:
     st = pair()
     woke: list[float] = []
