@@ -310,3 +310,11 @@ def test_the_smallest_queue_takes_one_request_of_one_sge(pairs: PairFactory) -> 
         qp.post_send([pair.wr(0, W, [(0, 8), (8, 8)], 0)])
     qp.post_send(requests(pair, [W]))
     assert statuses(pair.waiter.wait(1)) == [WcStatus.SUCCESS]
+
+
+def test_a_chunk_of_empty_requests_succeeds_and_moves_nothing(pairs: PairFactory) -> None:
+    pair = pairs()
+    before = pair.b.buf.copy()
+    wrs = [pair.wr(i, W, [(i * SIZE, 0)], i * SIZE) for i in range(4)]
+    assert statuses(pair.run(wrs)) == [WcStatus.SUCCESS] * 4
+    assert np.array_equal(pair.b.buf, before)
