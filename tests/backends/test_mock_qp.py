@@ -318,3 +318,21 @@ def test_a_chunk_of_empty_requests_succeeds_and_moves_nothing(pairs: PairFactory
     wrs = [pair.wr(i, W, [(i * SIZE, 0)], i * SIZE) for i in range(4)]
     assert statuses(pair.run(wrs)) == [WcStatus.SUCCESS] * 4
     assert np.array_equal(pair.b.buf, before)
+
+
+@pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
+def test_a_chunk_within_one_buffer_registered_at_both_ends_runs_in_posting_order(
+    pairs: PairFactory, op: Opcode
+) -> None:
+    """Each request sees what the requests before it wrote: the chunk cannot be one gather and one scatter."""
+    pair = pairs()
+    shared = np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8)
+    a_mr, b_mr = pair.a.register(shared, Access.all()), pair.b.register(shared, Access.all())
+    src, dst = (a_mr, b_mr) if op is W else (b_mr, a_mr)
+    wrs = [WorkRequest(i, op, (Sge((a_mr.addr + (i if op is W else i + 1) * 64), 64, a_mr.lkey),),
+                       b_mr.addr + (i + 1 if op is W else i) * 64, b_mr.rkey) for i in range(3)]  # fmt: skip
+    expected = shared.copy()
+    for i in range(3):  # block i + 1 of the buffer gets block i, one after another
+        expected[(i + 1) * 64 : (i + 2) * 64] = expected[i * 64 : (i + 1) * 64]
+    assert statuses(pair.run(wrs)) == [WcStatus.SUCCESS] * 3 and src is not dst
+    assert np.array_equal(shared, expected)
