@@ -295,7 +295,8 @@ def test_the_successes_of_a_second_run_wait_for_the_next_completion(pairs: PairF
     qp.post_send(requests(pair, [W, W, R, R], [True, True, False, False]))  # a WRITE run, then a READ run
     qp.post_send(requests(pair, [W], first=4))  # covers the two READs
     wcs = pair.a.cq.poll(8)
-    assert [wc.wr_id for wc in wcs] == [0, 1, 4] and all(moved(pair, i, op) for i, op in enumerate([W, W, R, R, W]))
+    assert [(wc.wr_id, wc.opcode, wc.byte_len) for wc in wcs] == [(0, W, SIZE), (1, W, SIZE), (4, W, SIZE)]
+    assert all(moved(pair, i, op) for i, op in enumerate([W, W, R, R, W]))
     qp.post_send(requests(pair, [W] * 6, [False] * 6))  # every slot is free again, and no more
     with pytest.raises(SendQueueFull, match="1 requests, 0 free slots of 6"):
         qp.post_send(requests(pair, [W]))
