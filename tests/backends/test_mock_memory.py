@@ -65,7 +65,7 @@ def test_registration_keys_and_views() -> None:
 def test_a_key_drawn_again_is_redrawn_never_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     table = MemoryTable()
     draws = iter([4, 5, 5, 4, 8])  # keys 5, then 5 and 5 again (taken), then 9
-    monkeypatch.setattr(secrets, "randbits", lambda bits: next(draws))
+    monkeypatch.setattr(secrets, "randbits", lambda bits: next(draws) & ((1 << bits) - 1))  # as randbits would
     first, second = register(table, 64), register(table, 64)
     assert (first.lkey, second.lkey) == (5, 9)
     assert table.lookup(5, first.addr, 8, 0) is first and table.lookup(9, second.addr, 8, 0) is second
@@ -240,9 +240,16 @@ def test_a_single_block_and_blocks_of_different_lengths() -> None:
     assert np.array_equal(b.array, before)
 
 
-# Lengths no other test uses: each run starts with that length's item type not yet made.
-@pytest.mark.parametrize(("length", "k"), [(333, 5), (331, GROUP_BYTES // 331 + 3), (4093, 200)])
+# Random lengths as well: a process that already copied blocks of a fixed length (the test run that
+# collected the fixed cases, say) has that length's item type made, and would never make one again.
+@pytest.mark.parametrize(
+    ("length", "k"),
+    [(333, 5), (331, GROUP_BYTES // 331 + 3), (4093, 200), (-1, 3), (-2, 3)],
+    ids=["333", "331-groups", "4093", "random", "random-again"],
+)
 def test_copy_equal_moves_every_block(length: int, k: int) -> None:
+    if length < 0:  # drawn when the test runs, so fresh in every process (two different ones in one)
+        length = (5_000 if length == -1 else 60_000) + secrets.randbelow(50_000)
     rng = np.random.default_rng(10)
     src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     dst = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
