@@ -210,6 +210,17 @@ def test_a_lost_peer_fails_the_oldest_pending_request() -> None:
         st.admit_locked(batch([R, W]))
     st.peer_lost(VendorErr.PEER_CLOSED)
     assert polled(st) == [(0, WcStatus.RETRY_EXC_ERR, VendorErr.PEER_CLOSED), (1, WcStatus.WR_FLUSH_ERR, 0)]
+    two = pair()
+    with two.lock:
+        two.admit_locked(batch([W]))
+        two.admit_locked(batch([R], first=1))
+        two.admit_locked(batch([W], first=2))
+    two.peer_lost(VendorErr.PEER_RESET)  # only the oldest carries the reason, in every later batch too
+    assert polled(two) == [
+        (0, WcStatus.RETRY_EXC_ERR, VendorErr.PEER_RESET),
+        (1, WcStatus.WR_FLUSH_ERR, 0),
+        (2, WcStatus.WR_FLUSH_ERR, 0),
+    ]
     idle = pair()
     idle.fail(WcStatus.GENERAL_ERR, 0)  # nothing outstanding: no completion
     assert idle.state == QpState.ERR and polled(idle) == []
