@@ -1,0 +1,331 @@
+"""One control link, both ends in the test: request ids and replies, refusals and their errors, the
+order and batching of notices, the link's bounds, and how it ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from moriio_async import ControlPlaneError, StalePeer
+from moriio_async.aio.control import ControlLink
+from moriio_async.core.framing import FrameError
+from moriio_async.core.protocol import (
+    Challenge,
+    EngineRecord,
+    Exports,
+    ListMemory,
+    Notice,
+    Notify,
+    Reply,
+    Request,
+    Welcome,
+    encode,
+)
+from moriio_async.errors import AuthenticationError, PeerError
+
+from .wire import frame
+
+WELCOME = Welcome(engine=EngineRecord(key="b", host="", port=0, incarnation=1, backend="mock"))
+Answer = Callable[[Request], Awaitable[Reply]]
+
+
+async def exports(request: Request) -> Reply:
+    return Exports()
+
+
+@dataclass
+class Handler:
+    """A link handler that records what reached it; ``answer`` makes each reply, ``gate`` holds notices."""
+
+    answer: Answer = exports
+    gate: asyncio.Event | None = None
+    requests: list[Request] = field(default_factory=list)
+    notices: list[Notice] = field(default_factory=list)
+    bad: list[FrameError] = field(default_factory=list)
+    closed: list[ControlLink] = field(default_factory=list)
+
+    async def on_request(self, link: ControlLink, request: Request) -> Reply:
+        self.requests.append(request)
+        return await self.answer(request)
+
+    async def on_notice(self, link: ControlLink, notice: Notice) -> None:
+        self.notices.append(notice)
+        if self.gate is not None:
+            await self.gate.wait()
+
+    def on_bad_frame(self, link: ControlLink, error: FrameError) -> None:
+        self.bad.append(error)
+
+    def on_link_closed(self, link: ControlLink) -> None:
+        self.closed.append(link)
+
+
+@dataclass
+class Ends:
+    client: ControlLink
+    server: ControlLink
+    address: str
+    """The server's address as the client sees it (host:port)."""
+    writer: asyncio.StreamWriter
+    """The client's stream, to write by hand what the link would not."""
+
+
+@asynccontextmanager
+async def linked(
+    server: Handler, client: Handler | None = None, *, timeout: float = 5, max_pending: int = 32, start: bool = True
+) -> AsyncIterator[Ends]:
+    accepted: asyncio.Future[ControlLink] = asyncio.get_running_loop().create_future()
+
+    def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = ControlLink(reader, writer, server, max_frame=1 << 16, timeout=timeout, max_pending=max_pending)
+        if start:
+            link.start()
+        accepted.set_result(link)
+
+    listening = await asyncio.start_server(accept, "127.0.0.1", 0)
+    host, port = listening.sockets[0].getsockname()[:2]
+    reader, writer = await asyncio.open_connection(host, port)
+    near = ControlLink(reader, writer, client or Handler(), max_frame=1 << 16, timeout=timeout)
+    if start:
+        near.start()
+    far = await asyncio.wait_for(accepted, 5)
+    try:
+        yield Ends(near, far, f"{host}:{port}", writer)
+    finally:
+        for link in (near, far):
+            link.close()
+            await link.wait_closed()
+        listening.close()
+        await listening.wait_closed()
+
+
+async def test_requests_are_numbered_from_one_and_each_gets_its_own_reply() -> None:
+    async def answer(request: Request) -> Reply:
+        await asyncio.sleep(0.05 if request.id == 1 else 0)  # the first one is answered last
+        return Exports() if request.id == 1 else WELCOME
+
+    server = Handler(answer)
+    async with linked(server) as ends:
+        first = asyncio.get_running_loop().create_task(ends.client.request(ListMemory(), Exports))
+        await asyncio.sleep(0)
+        assert ends.client.busy
+        with pytest.raises(ControlPlaneError, match=rf"^memory to {ends.address} was answered with Welcome$"):
+            await ends.client.request(ListMemory(), Exports)
+        reply = await first
+        assert isinstance(reply, Exports) and reply.re == 1
+        assert [r.id for r in server.requests] == [1, 2]
+        assert not ends.client.busy and not ends.server.busy
+        assert ends.client.peer_address == ends.address and ends.client.peer_host == "127.0.0.1"
+        assert repr(ends.client) == f"<ControlLink {ends.address}>"
+
+
+async def test_a_welcome_where_a_challenge_was_expected_is_an_authentication_error() -> None:
+    async def welcome(request: Request) -> Reply:
+        return WELCOME
+
+    async with linked(Handler(welcome)) as ends:
+        with pytest.raises(AuthenticationError, match=rf"^memory to {ends.address}: the peer did not authenticate "):
+            await ends.client.request(ListMemory(), Challenge)
+
+
+@pytest.mark.parametrize(
+    ("raised", "error", "says", "hint"),
+    [
+        (StalePeer("b restarted"), StalePeer, "^b restarted", "the peer restarted: connect() again"),
+        (AuthenticationError("bad proof"), AuthenticationError, "^memory refused by {}: bad proof", "the same secret"),
+        (ControlPlaneError("no such pair"), PeerError, "^memory refused by {}: no such pair$", None),
+        (RuntimeError("a bug"), PeerError, "^memory refused by {}: RuntimeError: a bug$", None),
+    ],
+    ids=["stale", "auth", "refused", "internal"],
+)
+async def test_a_refusal_raises_the_error_its_reason_stands_for(
+    raised: Exception, error: type[ControlPlaneError], says: str, hint: str | None
+) -> None:
+    async def refuse(request: Request) -> Reply:
+        raise raised
+
+    async with linked(Handler(refuse)) as ends:
+        with pytest.raises(error, match=says.format(ends.address)) as info:
+            await ends.client.request(ListMemory(), Exports)
+        assert type(info.value) is error
+        if hint is None:
+            assert info.value.hint is None
+        else:
+            assert info.value.hint is not None and hint in info.value.hint
+        assert not ends.client.closed and not ends.server.closed  # a refusal keeps the link
+
+
+async def test_no_reply_within_the_timeout() -> None:
+    never = asyncio.Event()
+
+    async def hang(request: Request) -> Reply:
+        await never.wait()
+        return Exports()
+
+    async with linked(Handler(hang), timeout=0.2) as ends:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(
+            ControlPlaneError, match=rf"^memory to {ends.address}: no reply within 0.2s \(hint: "
+        ) as info:
+            await ends.client.request(ListMemory(), Exports)
+        assert 0.2 - 1e-3 <= loop.time() - start < 2
+        assert info.value.hint == "check that the peer engine is running and reachable"
+        assert not ends.client.busy  # the request is forgotten
+        assert ends.server.busy  # the peer still serves it
+
+
+async def test_notices_arrive_in_order_and_each_is_awaited_before_the_next_frame() -> None:
+    gate = asyncio.Event()
+    server = Handler(gate=gate)
+    async with linked(server) as ends:
+        one, two, three, four = (Notify(data=bytes([i])) for i in range(4))
+        assert ends.client.post(one)
+        assert ends.client.post_soon(two) and ends.client.post_soon(three)
+        queued = len(encode(two)) + len(encode(three))
+        assert ends.client.backlog == queued  # queued for one write at the end of this iteration
+        assert ends.client.post(four)  # written after the queued ones
+        for _ in range(50):
+            await asyncio.sleep(0.001)
+            if server.notices:
+                break
+        await asyncio.sleep(0.02)
+        assert server.notices == [one]  # held in the handler: nothing after it is read
+        assert ends.server.busy
+        gate.set()
+        for _ in range(200):
+            if len(server.notices) == 4:
+                break
+            await asyncio.sleep(0.005)
+        assert server.notices == [one, two, three, four]
+        assert not ends.server.busy
+
+
+async def test_a_burst_posted_in_one_iteration_is_one_write() -> None:
+    server = Handler()
+    async with linked(server) as ends:
+        writes: list[bytes] = []
+        write = ends.writer.write
+
+        def counting(data: bytes | bytearray | memoryview) -> None:
+            writes.append(bytes(data))
+            write(data)
+
+        ends.writer.write = counting  # type: ignore[method-assign]
+        burst = [Notify(data=bytes([i])) for i in range(5)]
+        assert all(ends.client.post_soon(n) for n in burst)
+        assert writes == []
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert writes == [b"".join(encode(n) for n in burst)]
+        for _ in range(200):
+            if len(server.notices) == 5:
+                break
+            await asyncio.sleep(0.005)
+        assert server.notices == burst
+
+
+async def test_at_most_max_pending_requests_run_at_once() -> None:
+    release = asyncio.Event()
+
+    async def slow(request: Request) -> Reply:
+        await release.wait()
+        return Exports()
+
+    server = Handler(slow)
+    async with linked(server, max_pending=2) as ends:
+        loop = asyncio.get_running_loop()
+        asks = [loop.create_task(ends.client.request(ListMemory(), Exports)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert [r.id for r in server.requests] == [1, 2]  # the third waits in the socket
+        release.set()
+        replies = await asyncio.gather(*asks)
+        assert sorted(r.re for r in replies) == [1, 2, 3]
+        assert [r.id for r in server.requests] == [1, 2, 3]
+
+
+async def test_a_bad_frame_is_answered_once_and_fails_the_requests_waiting_on_that_link() -> None:
+    never = asyncio.Event()
+
+    async def hang(request: Request) -> Reply:
+        await never.wait()
+        return Exports()
+
+    server, client = Handler(hang), Handler()
+    async with linked(server, client) as ends:
+        asking = asyncio.get_running_loop().create_task(ends.client.request(ListMemory(), Exports))
+        await asyncio.sleep(0.02)
+        ends.writer.write(frame(b"]]]"))
+        with pytest.raises(PeerError, match=rf"^{ends.address} closed the control link: ") as info:
+            await asyncio.wait_for(asking, 5)
+        assert "invalid control message" in str(info.value) or "not a JSON message" in str(info.value)
+        assert len(server.bad) == 1 and isinstance(server.bad[0], FrameError)
+        for _ in range(200):
+            if ends.client.closed:
+                break
+            await asyncio.sleep(0.005)
+        assert ends.server.closed and ends.client.closed
+        assert server.closed == [ends.server] and client.closed == [ends.client]
+
+
+async def test_closing_a_link_fails_its_waiters_and_refuses_more() -> None:
+    never = asyncio.Event()
+
+    async def hang(request: Request) -> Reply:
+        await never.wait()
+        return Exports()
+
+    client = Handler()
+    async with linked(Handler(hang), client) as ends:
+        asking = asyncio.get_running_loop().create_task(ends.client.request(ListMemory(), Exports))
+        await asyncio.sleep(0.02)
+        ends.client.close()
+        ends.client.close()
+        assert client.closed == [ends.client]
+        with pytest.raises(ControlPlaneError, match=rf"^control link to {ends.address} closed$"):
+            await asking
+        assert repr(ends.client) == f"<ControlLink {ends.address} closed>"
+        assert ends.client.backlog == 0
+        assert not ends.client.post(Notify(data=b"x")) and not ends.client.post_soon(Notify(data=b"x"))
+        with pytest.raises(ControlPlaneError, match=rf"^control link to {ends.address} is closed$"):
+            await ends.client.send(Notify(data=b"x"))
+
+
+async def test_read_message_bounds_the_whole_message_and_tells_a_cut_from_a_clean_end() -> None:
+    async with linked(Handler(), timeout=0.2, start=False) as ends:
+        loop = asyncio.get_running_loop()
+        ends.writer.write(b"\x00\x00")  # half a header, then nothing
+        start = loop.time()
+        with pytest.raises(FrameError, match=r"^no complete control message within 0.2s$"):
+            await ends.server.read_message(idle_ok=True)
+        assert loop.time() - start < 2
+    async with linked(Handler(), start=False) as ends:
+        ends.writer.write(b"\x00\x00\x00\x05{")
+        ends.writer.write_eof()
+        with pytest.raises(FrameError, match=r"^connection closed inside a frame$"):
+            await ends.server.read_message(idle_ok=True)
+    async with linked(Handler(), start=False) as ends:
+        ends.writer.write(b"\x00")
+        ends.writer.write_eof()
+        with pytest.raises(FrameError, match=r"^connection closed inside a frame$"):
+            await ends.server.read_message(idle_ok=True)  # one byte is a frame begun
+
+
+async def test_a_message_read_moves_last_activity_and_a_clean_end_is_none() -> None:
+    async with linked(Handler(), start=False) as ends:
+        before = ends.server.last_activity
+        await asyncio.sleep(0.02)
+        ends.writer.write(encode(Notify(data=b"hi")))
+        assert await ends.server.read_message(idle_ok=False) == Notify(data=b"hi")
+        assert ends.server.last_activity >= before + 0.01
+        sent = ends.client.last_activity
+        await asyncio.sleep(0.02)
+        assert ends.client.post(Notify(data=b"x"))
+        assert ends.client.last_activity >= sent + 0.01
+        assert await ends.server.read_message(idle_ok=True) == Notify(data=b"x")
+        ends.writer.write_eof()
+        assert await ends.server.read_message(idle_ok=True) is None
