@@ -238,3 +238,17 @@ async def test_a_timeout_lists_what_was_pending_at_the_deadline_even_if_read_aft
     assert all(t.Succeeded() for t in ts)
     assert [e.transfer_id for e in info.value.timed_out] == [t.id for t in ts[1:]]
     assert str(info.value).startswith("2/3 transfers failed:")
+
+
+async def test_failures_are_listed_by_transfer_id_whenever_they_were_seen(held: Pair) -> None:
+    """A failure known before the wait and one seen during it are listed in transfer-id order, not in
+    the order they were found."""
+    first, second, idle = (held.session.read(i, i, 1) for i in range(3))
+    second.fail(StatusCode.ERR_BAD_STATE, "known before the wait")
+    asyncio.get_running_loop().call_soon(first.fail, StatusCode.ERR_BAD_STATE, "seen during the wait")
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete([first, second, idle], timeout=0.05)
+    assert [e.transfer_id for e in info.value.failed] == [first.id, second.id]
+    assert [e.transfer_id for e in info.value.timed_out] == [idle.id]
+    nic(held).step(3)
+    await waiting_for_transfer_complete(idle, timeout=5)
