@@ -15,7 +15,9 @@ from moriio_async import (
     WcStatus,
     waiting_for_transfer_complete,
 )
+from moriio_async.aio.transfer import Transfer
 from moriio_async.backends.mock import MockQueuePair
+from moriio_async.status import Opcode
 
 from .conftest import Pair, make_pair
 
@@ -252,3 +254,46 @@ async def test_failures_are_listed_by_transfer_id_whenever_they_were_seen(held: 
     assert [e.transfer_id for e in info.value.timed_out] == [idle.id]
     nic(held).step(3)
     await waiting_for_transfer_complete(idle, timeout=5)
+
+
+class StoppedClock(asyncio.SelectorEventLoop):
+    """An asyncio loop whose time moves only when the test sets it."""
+
+    now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_the_wait_ends_at_its_deadline_exactly_on_a_clock_only_the_test_moves() -> None:
+    """The deadline is reached when the loop's time equals it: the wait ends then, and not before (a
+    wait that looked again while no time passed would never end on such a clock)."""
+    loop = StoppedClock()
+    drained: list[int] = []
+
+    class Drain:
+        def drain(self) -> int:
+            drained.append(1)
+            return 0
+
+    async def main() -> None:
+        t = Transfer(loop, 7, Opcode.RDMA_READ, "b", (0,), (0,), (8,), drainer=Drain())
+        t.start(1)
+        waiting = loop.create_task(waiting_for_transfer_complete([t], timeout=5))
+        for now in (0.0, 4.0, 5.0 - 1e-9):
+            loop.now = now
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiting.done(), now
+        loop.now = 5.0
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert waiting.done()
+        with pytest.raises(TransferError) as info:
+            await waiting
+        assert [e.transfer_id for e in info.value.timed_out] == [7] and drained == [1]
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
