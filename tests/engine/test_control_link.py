@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +121,7 @@ async def test_requests_are_numbered_from_one_and_each_gets_its_own_reply() -> N
         assert [r.id for r in server.requests] == [1, 2]
         assert not ends.client.busy and not ends.server.busy
         assert ends.client.peer_address == ends.address and ends.client.peer_host == "127.0.0.1"
+        assert ends.client.closed is False and ends.server.closed is False
         assert repr(ends.client) == f"<ControlLink {ends.address}>"
 
 
@@ -329,3 +331,20 @@ async def test_a_message_read_moves_last_activity_and_a_clean_end_is_none() -> N
         assert await ends.server.read_message(idle_ok=True) == Notify(data=b"x")
         ends.writer.write_eof()
         assert await ends.server.read_message(idle_ok=True) is None
+
+
+async def test_a_link_over_a_unix_socket_is_named_by_its_path(tmp_path: Path) -> None:
+    path = str(tmp_path / "control.sock")
+    accepted: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_unix_server(lambda r, w: accepted.append(w), path)
+    reader, writer = await asyncio.open_unix_connection(path)
+    link = ControlLink(reader, writer, Handler(), max_frame=1 << 16, timeout=5)
+    try:
+        assert (link.peer_host, link.peer_address, repr(link)) == (path, path, f"<ControlLink {path}>")
+    finally:
+        link.close()
+        await link.wait_closed()
+        for w in accepted:
+            w.close()
+        server.close()
+        await server.wait_closed()
