@@ -348,3 +348,26 @@ async def test_a_link_over_a_unix_socket_is_named_by_its_path(tmp_path: Path) ->
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_lone_notice_posted_soon_goes_out_and_the_links_frame_limit_holds() -> None:
+    server = Handler()
+    async with linked(server) as ends:
+        assert ends.client.post_soon(Notify(data=b"alone"))
+        for _ in range(200):
+            if server.notices:
+                break
+            await asyncio.sleep(0.005)
+        assert server.notices == [Notify(data=b"alone")]
+        big = Notify(data=bytes(1 << 16))  # over this link's max_frame, well under the default one
+        with pytest.raises(FrameError, match=r"exceeds the 65536-byte frame limit"):
+            ends.client.post_soon(big)
+        assert ends.client.backlog == 0
+
+
+async def test_nothing_is_posted_on_a_stream_that_is_closing() -> None:
+    async with linked(Handler()) as ends:
+        ends.writer.close()  # the stream under the link, before the link itself hears of it
+        assert not ends.client.closed
+        assert not ends.client.post_soon(Notify(data=b"x"))
+        assert not ends.client.post(Notify(data=b"x"))
