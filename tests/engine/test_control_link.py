@@ -362,6 +362,8 @@ async def test_a_lone_notice_posted_soon_goes_out_and_the_links_frame_limit_hold
         big = Notify(data=bytes(1 << 16))  # over this link's max_frame, well under the default one
         with pytest.raises(FrameError, match=r"exceeds the 65536-byte frame limit"):
             ends.client.post_soon(big)
+        with pytest.raises(FrameError, match=r"exceeds the 65536-byte frame limit"):
+            await ends.client.send(big)
         assert ends.client.backlog == 0
 
 
