@@ -1,12 +1,9 @@
-"""One control link, both ends in the test: request ids and replies, refusals and their errors, the
-order and batching of notices, the link's bounds, and how it ends."""
+"""One control link, both ends in the test: request ids and replies, refusals and the error each reason
+raises, the timeout, bad frames, close, and read_message's bounds."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -14,94 +11,11 @@ import pytest
 from moriio_async import ControlPlaneError, StalePeer
 from moriio_async.aio.control import ControlLink
 from moriio_async.core.framing import FrameError
-from moriio_async.core.protocol import (
-    Challenge,
-    EngineRecord,
-    Exports,
-    ListMemory,
-    Notice,
-    Notify,
-    Reply,
-    Request,
-    Welcome,
-    encode,
-)
+from moriio_async.core.protocol import Challenge, Exports, ListMemory, Notify, Reply, Request, encode
 from moriio_async.errors import AuthenticationError, PeerError
 
+from .linkpair import WELCOME, Handler, linked
 from .wire import frame
-
-WELCOME = Welcome(engine=EngineRecord(key="b", host="", port=0, incarnation=1, backend="mock"))
-Answer = Callable[[Request], Awaitable[Reply]]
-
-
-async def exports(request: Request) -> Reply:
-    return Exports()
-
-
-@dataclass
-class Handler:
-    """A link handler that records what reached it; ``answer`` makes each reply, ``gate`` holds notices."""
-
-    answer: Answer = exports
-    gate: asyncio.Event | None = None
-    requests: list[Request] = field(default_factory=list)
-    notices: list[Notice] = field(default_factory=list)
-    bad: list[FrameError] = field(default_factory=list)
-    closed: list[ControlLink] = field(default_factory=list)
-
-    async def on_request(self, link: ControlLink, request: Request) -> Reply:
-        self.requests.append(request)
-        return await self.answer(request)
-
-    async def on_notice(self, link: ControlLink, notice: Notice) -> None:
-        self.notices.append(notice)
-        if self.gate is not None:
-            await self.gate.wait()
-
-    def on_bad_frame(self, link: ControlLink, error: FrameError) -> None:
-        self.bad.append(error)
-
-    def on_link_closed(self, link: ControlLink) -> None:
-        self.closed.append(link)
-
-
-@dataclass
-class Ends:
-    client: ControlLink
-    server: ControlLink
-    address: str
-    """The server's address as the client sees it (host:port)."""
-    writer: asyncio.StreamWriter
-    """The client's stream, to write by hand what the link would not."""
-
-
-@asynccontextmanager
-async def linked(
-    server: Handler, client: Handler | None = None, *, timeout: float = 5, max_pending: int = 32, start: bool = True
-) -> AsyncIterator[Ends]:
-    accepted: asyncio.Future[ControlLink] = asyncio.get_running_loop().create_future()
-
-    def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = ControlLink(reader, writer, server, max_frame=1 << 16, timeout=timeout, max_pending=max_pending)
-        if start:
-            link.start()
-        accepted.set_result(link)
-
-    listening = await asyncio.start_server(accept, "127.0.0.1", 0)
-    host, port = listening.sockets[0].getsockname()[:2]
-    reader, writer = await asyncio.open_connection(host, port)
-    near = ControlLink(reader, writer, client or Handler(), max_frame=1 << 16, timeout=timeout)
-    if start:
-        near.start()
-    far = await asyncio.wait_for(accepted, 5)
-    try:
-        yield Ends(near, far, f"{host}:{port}", writer)
-    finally:
-        for link in (near, far):
-            link.close()
-            await link.wait_closed()
-        listening.close()
-        await listening.wait_closed()
 
 
 async def test_requests_are_numbered_from_one_and_each_gets_its_own_reply() -> None:
@@ -179,75 +93,6 @@ async def test_no_reply_within_the_timeout() -> None:
         assert info.value.hint == "check that the peer engine is running and reachable"
         assert not ends.client.busy  # the request is forgotten
         assert ends.server.busy  # the peer still serves it
-
-
-async def test_notices_arrive_in_order_and_each_is_awaited_before_the_next_frame() -> None:
-    gate = asyncio.Event()
-    server = Handler(gate=gate)
-    async with linked(server) as ends:
-        one, two, three, four = (Notify(data=bytes([i])) for i in range(4))
-        assert ends.client.post(one)
-        assert ends.client.post_soon(two) and ends.client.post_soon(three)
-        queued = len(encode(two)) + len(encode(three))
-        assert ends.client.backlog == queued  # queued for one write at the end of this iteration
-        assert ends.client.post(four)  # written after the queued ones
-        for _ in range(50):
-            await asyncio.sleep(0.001)
-            if server.notices:
-                break
-        await asyncio.sleep(0.02)
-        assert server.notices == [one]  # held in the handler: nothing after it is read
-        assert ends.server.busy
-        gate.set()
-        for _ in range(200):
-            if len(server.notices) == 4:
-                break
-            await asyncio.sleep(0.005)
-        assert server.notices == [one, two, three, four]
-        assert not ends.server.busy
-
-
-async def test_a_burst_posted_in_one_iteration_is_one_write() -> None:
-    server = Handler()
-    async with linked(server) as ends:
-        writes: list[bytes] = []
-        write = ends.writer.write
-
-        def counting(data: bytes | bytearray | memoryview) -> None:
-            writes.append(bytes(data))
-            write(data)
-
-        ends.writer.write = counting  # type: ignore[method-assign]
-        burst = [Notify(data=bytes([i])) for i in range(5)]
-        assert all(ends.client.post_soon(n) for n in burst)
-        assert writes == []
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert writes == [b"".join(encode(n) for n in burst)]
-        for _ in range(200):
-            if len(server.notices) == 5:
-                break
-            await asyncio.sleep(0.005)
-        assert server.notices == burst
-
-
-async def test_at_most_max_pending_requests_run_at_once() -> None:
-    release = asyncio.Event()
-
-    async def slow(request: Request) -> Reply:
-        await release.wait()
-        return Exports()
-
-    server = Handler(slow)
-    async with linked(server, max_pending=2) as ends:
-        loop = asyncio.get_running_loop()
-        asks = [loop.create_task(ends.client.request(ListMemory(), Exports)) for _ in range(3)]
-        await asyncio.sleep(0.05)
-        assert [r.id for r in server.requests] == [1, 2]  # the third waits in the socket
-        release.set()
-        replies = await asyncio.gather(*asks)
-        assert sorted(r.re for r in replies) == [1, 2, 3]
-        assert [r.id for r in server.requests] == [1, 2, 3]
 
 
 async def test_a_bad_frame_is_answered_once_and_fails_the_requests_waiting_on_that_link() -> None:
@@ -348,28 +193,3 @@ async def test_a_link_over_a_unix_socket_is_named_by_its_path(tmp_path: Path) ->
             w.close()
         server.close()
         await server.wait_closed()
-
-
-async def test_a_lone_notice_posted_soon_goes_out_and_the_links_frame_limit_holds() -> None:
-    server = Handler()
-    async with linked(server) as ends:
-        assert ends.client.post_soon(Notify(data=b"alone"))
-        for _ in range(200):
-            if server.notices:
-                break
-            await asyncio.sleep(0.005)
-        assert server.notices == [Notify(data=b"alone")]
-        big = Notify(data=bytes(1 << 16))  # over this link's max_frame, well under the default one
-        with pytest.raises(FrameError, match=r"exceeds the 65536-byte frame limit"):
-            ends.client.post_soon(big)
-        with pytest.raises(FrameError, match=r"exceeds the 65536-byte frame limit"):
-            await ends.client.send(big)
-        assert ends.client.backlog == 0
-
-
-async def test_nothing_is_posted_on_a_stream_that_is_closing() -> None:
-    async with linked(Handler()) as ends:
-        ends.writer.close()  # the stream under the link, before the link itself hears of it
-        assert not ends.client.closed
-        assert not ends.client.post_soon(Notify(data=b"x"))
-        assert not ends.client.post(Notify(data=b"x"))
