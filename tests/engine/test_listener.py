@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 
 import pytest
@@ -104,7 +105,8 @@ async def test_a_port_taken_is_refused_with_the_address_and_leaves_nothing_open(
     second = Listener(Accepted())
     try:
         with pytest.raises(
-            OSError, match=rf"^\[Errno {errno.EADDRINUSE}\] cannot listen on 127.0.0.1:{port}: "
+            OSError,
+            match=rf"^\[Errno {errno.EADDRINUSE}\] cannot listen on 127.0.0.1:{port}: {os.strerror(errno.EADDRINUSE)}$",
         ) as info:
             await second.start("127.0.0.1", port)
         assert info.value.errno == errno.EADDRINUSE
