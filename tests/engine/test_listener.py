@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import socket
+from typing import Any
 
 import pytest
 
@@ -123,6 +125,7 @@ async def test_start_twice_is_an_error_and_close_stops_accepting() -> None:
     with pytest.raises(RuntimeError, match="already started"):
         await listener.start("127.0.0.1", 0)
     assert listener.loopback_only
+    assert listener.closed is False
     await listener.close()
     await listener.close()
     assert listener.closed and listener.port == 0 and not listener.loopback_only
@@ -152,5 +155,80 @@ async def test_a_connection_accepted_as_the_listener_closes_is_closed_not_handed
         client.settimeout(5)
         assert client.recv(1) == b""  # closed by the listener
         assert accepted.streams == []
+    finally:
+        client.close()
+
+
+def failing_accept(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[float]:
+    """The next accept() of any socket fails with ``error`` (once); the loop times of every accept call."""
+    real = socket.socket.accept
+    calls: list[float] = []
+
+    def accept(sock: socket.socket) -> tuple[socket.socket, Any]:
+        calls.append(asyncio.get_running_loop().time())
+        if len(calls) == 1:
+            raise error
+        return real(sock)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    return calls
+
+
+def listener_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "moriio_async" and r.levelno == logging.WARNING]
+
+
+async def test_an_accept_that_fails_is_logged_and_accepting_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("127.0.0.1", 0)
+    calls = failing_accept(monkeypatch, OSError(errno.EPROTO, "Protocol error"))
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        await accepted.count(1)
+        assert listener_warnings(caplog) == [f"control listener: accept failed: [Errno {errno.EPROTO}] Protocol error"]
+        assert calls[1] - calls[0] < 0.5  # not paused: the next look accepts it
+    finally:
+        client.close()
+        accepted.close()
+        await listener.close()
+
+
+async def test_out_of_fds_pauses_accepting_for_a_second(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("127.0.0.1", 0)
+    calls = failing_accept(monkeypatch, OSError(errno.EMFILE, "Too many open files"))
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        await accepted.count(1)
+        assert listener_warnings(caplog) == [
+            f"control listener: [Errno {errno.EMFILE}] Too many open files; not accepting for 1s"
+        ]
+        assert 1.0 - 1e-3 <= calls[1] - calls[0] < 3  # nothing accepted meanwhile, then accepting resumes
+    finally:
+        client.close()
+        accepted.close()
+        await listener.close()
+
+
+async def test_a_listener_closed_while_paused_stays_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("127.0.0.1", 0)
+    calls = failing_accept(monkeypatch, OSError(errno.ENFILE, "Too many open files in system"))
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        for _ in range(200):
+            if calls:
+                break
+            await asyncio.sleep(0.005)
+        await listener.close()  # during the pause: the resume is called off
+        await asyncio.sleep(1.2)  # past the pause: nothing is watched again (the loop would report an error)
+        assert len(calls) == 1 and accepted.streams == []
     finally:
         client.close()
