@@ -14,7 +14,7 @@ import pytest
 
 from moriio_async.aio.listener import Listener
 
-from .wire import read_message
+from .wire import messages, read_message
 
 
 class Accepted:
@@ -232,3 +232,50 @@ async def test_a_listener_closed_while_paused_stays_closed(monkeypatch: pytest.M
         assert len(calls) == 1 and accepted.streams == []
     finally:
         client.close()
+
+
+def refused_reply(client: socket.socket) -> bytes:
+    """Everything a refused client receives, to the end of the stream (a reset raises)."""
+    client.settimeout(5)
+    got = b""
+    while chunk := client.recv(1 << 16):
+        got += chunk
+    return got
+
+
+BUSY = {"op": "error", "re": None, "reason": "busy", "message": "full"}
+
+
+@pytest.mark.parametrize("says", [b"", b"\x00\x00\x00\x02{}" * 100], ids=["silent", "spoke-first"])
+async def test_a_refused_client_gets_its_answer_and_a_clean_end(says: bytes) -> None:
+    """What the client sent before the refusal is read first, so the close is a clean end of stream, not
+    a reset; a client that sent nothing is refused the same way."""
+    listener = Listener(Accepted(), admit=lambda host, from_host, pending: "full")
+    port = await listener.start("127.0.0.1", 0)
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(says)  # in the socket before the listener accepts (the loop has not run since)
+    try:
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        got = await asyncio.get_running_loop().run_in_executor(None, refused_reply, client)
+        assert messages(got) == [BUSY]
+    finally:
+        client.close()
+        await listener.close()
+
+
+async def test_a_refused_client_gone_before_its_answer_is_closed_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def gone(sock: socket.socket, data: bytes) -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    accepted = Accepted()
+    listener = Listener(accepted, admit=lambda host, from_host, pending: "full")
+    port = await listener.start("127.0.0.1", 0)
+    monkeypatch.setattr(socket.socket, "send", gone)
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        client.settimeout(5)
+        assert await asyncio.get_running_loop().run_in_executor(None, client.recv, 1) == b""  # closed, unanswered
+    finally:
+        client.close()
+        await listener.close()
