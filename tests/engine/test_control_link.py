@@ -158,10 +158,11 @@ async def test_closing_a_link_fails_its_waiters_and_refuses_more() -> None:
 async def test_read_message_bounds_the_whole_message_and_tells_a_cut_from_a_clean_end() -> None:
     async with linked(Handler(), timeout=0.2, start=False) as ends:
         loop = asyncio.get_running_loop()
-        ends.writer.write(b"\x00\x00")  # half a header, then nothing
+        ends.writer.write(b"\x00")  # a frame begun, then nothing: its deadline runs from that byte
         start = loop.time()
         with pytest.raises(FrameError, match=r"^no complete control message within 0.2s$"):
-            await ends.server.read_message(idle_ok=True)
+            async with asyncio.timeout(2):  # a read that waited unbounded for more than that byte
+                await ends.server.read_message(idle_ok=True)
         assert loop.time() - start < 2
     async with linked(Handler(), start=False) as ends:
         ends.writer.write(b"\x00\x00\x00\x05{")
@@ -206,3 +207,10 @@ async def test_a_link_over_a_unix_socket_is_named_by_its_path(tmp_path: Path) ->
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_frame_longer_than_the_links_limit_is_refused_by_its_header() -> None:
+    async with linked(Handler(), start=False) as ends:
+        ends.writer.write((70_000).to_bytes(4, "big"))  # over this link's 65536, under the default limit
+        with pytest.raises(FrameError, match=r"^frame length 70000 outside 1\.\.65536$"):
+            await ends.server.read_message(idle_ok=True)
