@@ -167,3 +167,33 @@ async def test_closing_a_link_cancels_the_requests_it_serves() -> None:
         assert not ends.server.busy
         with pytest.raises(ControlPlaneError):
             await asyncio.wait_for(asking, 5)  # the client hears the link end
+
+
+async def test_a_peer_that_stops_reading_fails_a_send_within_the_timeout() -> None:
+    async with linked(Handler(), timeout=0.2, start=False) as ends:  # the far end never reads
+        loop = asyncio.get_running_loop()
+        note = Notify(data=bytes(40_000))
+        with pytest.raises(ControlPlaneError) as info:
+            async with asyncio.timeout(10):
+                for _ in range(10_000):  # until the socket buffers are full and a drain waits
+                    start = loop.time()
+                    await ends.client.send(note)
+        assert str(info.value) == f"control link to {ends.address} failed: TimeoutError()"
+        assert 0.2 - 1e-3 <= loop.time() - start < 5
+        assert ends.client.closed
+
+
+async def test_a_transport_that_fails_under_a_write_closes_the_link() -> None:
+    async with linked(Handler()) as ends:
+
+        def broken(data: bytes | bytearray | memoryview) -> None:
+            raise RuntimeError("the transport closed under us")
+
+        ends.writer.write = broken  # type: ignore[method-assign]
+        with pytest.raises(ControlPlaneError) as info:
+            await ends.client.send(Notify(data=b"x"))
+        assert str(info.value) == (
+            f"control link to {ends.address} failed: RuntimeError('the transport closed under us')"
+        )
+        assert ends.client.closed
+        assert not ends.client.post(Notify(data=b"x"))
