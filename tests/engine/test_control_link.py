@@ -11,7 +11,7 @@ import pytest
 from moriio_async import ControlPlaneError, StalePeer
 from moriio_async.aio.control import ControlLink
 from moriio_async.core.framing import FrameError
-from moriio_async.core.protocol import Challenge, Exports, ListMemory, Notify, Reply, Request, encode
+from moriio_async.core.protocol import Challenge, Exports, ListMemory, Notify, Refused, Reply, Request, encode
 from moriio_async.errors import AuthenticationError, PeerError
 
 from .linkpair import WELCOME, Handler, linked
@@ -214,3 +214,13 @@ async def test_a_frame_longer_than_the_links_limit_is_refused_by_its_header() ->
         ends.writer.write((70_000).to_bytes(4, "big"))  # over this link's 65536, under the default limit
         with pytest.raises(FrameError, match=r"^frame length 70000 outside 1\.\.65536$"):
             await ends.server.read_message(idle_ok=True)
+
+
+async def test_refuse_answers_the_request_it_names_and_is_quiet_on_a_closed_link() -> None:
+    async with linked(Handler(), start=False) as ends:
+        await ends.server.refuse("stale", "gone", 7)
+        await ends.server.refuse("frame", "bad")
+        assert await ends.client.read_message(idle_ok=True) == Refused(re=7, reason="stale", message="gone")
+        assert await ends.client.read_message(idle_ok=True) == Refused(re=None, reason="frame", message="bad")
+        ends.server.close()
+        await ends.server.refuse("closed", "no one hears this", 8)  # the link is gone: nothing is raised
