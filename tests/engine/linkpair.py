@@ -27,7 +27,7 @@ class Handler:
     gate: asyncio.Event | None = None
     requests: list[Request] = field(default_factory=list)
     notices: list[Notice] = field(default_factory=list)
-    bad: list[FrameError] = field(default_factory=list)
+    bad: list[tuple[ControlLink, FrameError]] = field(default_factory=list)
     closed: list[ControlLink] = field(default_factory=list)
 
     async def on_request(self, link: ControlLink, request: Request) -> Reply:
@@ -40,7 +40,7 @@ class Handler:
             await self.gate.wait()
 
     def on_bad_frame(self, link: ControlLink, error: FrameError) -> None:
-        self.bad.append(error)
+        self.bad.append((link, error))
 
     def on_link_closed(self, link: ControlLink) -> None:
         self.closed.append(link)

@@ -4,6 +4,9 @@ raises, the timeout, bad frames, close, and read_message's bounds."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
+import struct
 from pathlib import Path
 
 import pytest
@@ -123,7 +126,7 @@ async def test_a_bad_frame_is_answered_once_and_fails_the_requests_waiting_on_th
         with pytest.raises(PeerError, match=rf"^{ends.address} closed the control link: ") as info:
             await asyncio.wait_for(asking, 5)
         assert "invalid control message" in str(info.value) or "not a JSON message" in str(info.value)
-        assert len(server.bad) == 1 and isinstance(server.bad[0], FrameError)
+        assert len(server.bad) == 1 and server.bad[0][0] is ends.server and isinstance(server.bad[0][1], FrameError)
         for _ in range(200):
             if ends.client.closed:
                 break
@@ -224,3 +227,31 @@ async def test_refuse_answers_the_request_it_names_and_is_quiet_on_a_closed_link
         assert await ends.client.read_message(idle_ok=True) == Refused(re=None, reason="frame", message="bad")
         ends.server.close()
         await ends.server.refuse("closed", "no one hears this", 8)  # the link is gone: nothing is raised
+
+
+async def test_a_bad_frame_is_answered_with_the_reason_frame() -> None:
+    async with linked(Handler(), start=False) as ends:
+        ends.server.start()
+        ends.writer.write(frame(b"]]]"))
+        reply = await asyncio.wait_for(ends.client.read_message(idle_ok=True), 5)
+        assert isinstance(reply, Refused) and (reply.re, reply.reason) == (None, "frame")
+        assert reply.message.startswith("frame is not a JSON message: ")
+
+
+async def test_a_link_reset_by_its_peer_ends_with_one_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+    server = Handler()
+    async with linked(server) as ends:
+        with caplog.at_level(logging.DEBUG, logger="moriio_async"):
+            ends.writer.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+            ends.writer.transport.abort()  # a reset, not a clean end
+            for _ in range(200):
+                if ends.server.closed:
+                    break
+                await asyncio.sleep(0.005)
+        assert ends.server.closed and server.closed == [ends.server]
+        lines = [r.getMessage() for r in caplog.records if r.name == "moriio_async"]
+        assert lines == [
+            f"control link {ends.server.peer_address} ended: ConnectionResetError(104, 'Connection reset by peer')"
+        ]
