@@ -29,13 +29,17 @@ class Handler:
     notices: list[Notice] = field(default_factory=list)
     bad: list[tuple[ControlLink, FrameError]] = field(default_factory=list)
     closed: list[ControlLink] = field(default_factory=list)
+    links: list[ControlLink] = field(default_factory=list)
+    """The link each request and notice came with."""
 
     async def on_request(self, link: ControlLink, request: Request) -> Reply:
         self.requests.append(request)
+        self.links.append(link)
         return await self.answer(request)
 
     async def on_notice(self, link: ControlLink, notice: Notice) -> None:
         self.notices.append(notice)
+        self.links.append(link)
         if self.gate is not None:
             await self.gate.wait()
 

@@ -36,6 +36,7 @@ async def test_requests_are_numbered_from_one_and_each_gets_its_own_reply() -> N
         reply = await first
         assert isinstance(reply, Exports) and reply.re == 1
         assert [r.id for r in server.requests] == [1, 2]
+        assert server.links == [ends.server] * 2
         assert not ends.client.busy and not ends.server.busy
         assert ends.client.peer_address == ends.address and ends.client.peer_host == "127.0.0.1"
         assert ends.client.closed is False and ends.server.closed is False

@@ -38,6 +38,7 @@ async def test_notices_arrive_in_order_and_each_is_awaited_before_the_next_frame
                 break
             await asyncio.sleep(0.005)
         assert server.notices == [one, two, three, four]
+        assert server.links == [ends.server] * 4
         assert not ends.server.busy
 
 
