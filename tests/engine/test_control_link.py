@@ -112,7 +112,9 @@ async def test_no_reply_within_the_timeout() -> None:
         assert ends.server.busy  # the peer still serves it
 
 
-async def test_a_bad_frame_is_answered_once_and_fails_the_requests_waiting_on_that_link() -> None:
+async def test_a_bad_frame_is_answered_once_and_fails_the_requests_waiting_on_that_link(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     never = asyncio.Event()
 
     async def hang(request: Request) -> Reply:
@@ -123,10 +125,14 @@ async def test_a_bad_frame_is_answered_once_and_fails_the_requests_waiting_on_th
     async with linked(server, client) as ends:
         asking = asyncio.get_running_loop().create_task(ends.client.request(ListMemory(), Exports))
         await asyncio.sleep(0.02)
-        ends.writer.write(frame(b"]]]"))
-        with pytest.raises(PeerError, match=rf"^{ends.address} closed the control link: ") as info:
-            await asyncio.wait_for(asking, 5)
-        assert "invalid control message" in str(info.value) or "not a JSON message" in str(info.value)
+        with caplog.at_level(logging.INFO, logger="moriio_async"):
+            ends.writer.write(frame(b"]]]"))
+            with pytest.raises(PeerError, match=rf"^{ends.address} closed the control link: ") as info:
+                await asyncio.wait_for(asking, 5)
+        why = str(info.value).removeprefix(f"{ends.address} closed the control link: ")
+        assert why.startswith("frame is not a JSON message: ")
+        infos = [r.getMessage() for r in caplog.records if r.name == "moriio_async" and r.levelno == logging.INFO]
+        assert infos == [f"control link {ends.address}: the peer refused: {why}"]
         assert len(server.bad) == 1 and server.bad[0][0] is ends.server and isinstance(server.bad[0][1], FrameError)
         for _ in range(200):
             if ends.client.closed:
