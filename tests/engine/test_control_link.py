@@ -262,3 +262,29 @@ async def test_a_link_reset_by_its_peer_ends_with_one_debug_line(caplog: pytest.
         assert lines == [
             f"control link {ends.server.peer_address} ended: ConnectionResetError(104, 'Connection reset by peer')"
         ]
+
+
+@pytest.mark.parametrize(
+    ("raised", "reason", "message", "logged"),
+    [
+        (StalePeer("b restarted"), "stale", "b restarted", False),
+        (ControlPlaneError("no such pair"), "refused", "no such pair", False),
+        (RuntimeError("a bug"), "internal", "RuntimeError: a bug", True),
+    ],
+    ids=["stale", "refused", "internal"],
+)
+async def test_a_refusal_on_the_wire_says_its_reason_and_only_a_bug_is_logged(
+    raised: Exception, reason: str, message: str, logged: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def refuse(request: Request) -> Reply:
+        raise raised
+
+    async with linked(Handler(refuse), start=False) as ends:
+        ends.server.start()
+        ends.writer.write(encode(ListMemory(id=4)))
+        reply = await asyncio.wait_for(ends.client.read_message(idle_ok=True), 5)
+        assert reply == Refused(re=4, reason=reason, message=message)
+        errors = [(r.getMessage(), r.exc_info is not None) for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == (
+            [(f"control request ListMemory from {ends.server.peer_address} failed", True)] if logged else []
+        )
