@@ -5,12 +5,13 @@ closing cancels."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
 from moriio_async import ControlPlaneError
 from moriio_async.core.framing import FrameError
-from moriio_async.core.protocol import Exports, ListMemory, Notify, Reply, Request, encode
+from moriio_async.core.protocol import Exports, ListMemory, Notify, RegionRecord, Reply, Request, encode
 
 from .linkpair import Handler, linked
 
@@ -198,3 +199,17 @@ async def test_a_transport_that_fails_under_a_write_closes_the_link() -> None:
         )
         assert ends.client.closed
         assert not ends.client.post(Notify(data=b"x"))
+
+
+async def test_a_reply_too_large_to_send_is_dropped_and_the_link_serves_on() -> None:
+    region = RegionRecord(engine_key="b", incarnation=1, name="r" * 200, addr=0, length=1, rkey=1, access=1)
+
+    async def answer(request: Request) -> Reply:
+        return Exports(memory=[region] * 400) if request.id == 1 else Exports()  # the first is over 64 KiB
+
+    async with linked(Handler(answer), timeout=0.3) as ends:
+        with pytest.raises(ControlPlaneError, match="no reply within"):
+            await ends.client.request(ListMemory(), Exports)
+        gc.collect()
+        assert (await ends.client.request(ListMemory(), Exports)).re == 2
+        assert not ends.server.closed
