@@ -10,8 +10,9 @@ import gc
 import pytest
 
 from moriio_async import ControlPlaneError
+from moriio_async.aio.control import ControlLink
 from moriio_async.core.framing import FrameError
-from moriio_async.core.protocol import Exports, ListMemory, Notify, RegionRecord, Reply, Request, encode
+from moriio_async.core.protocol import Exports, ListMemory, Notice, Notify, RegionRecord, Reply, Request, encode
 
 from .linkpair import Handler, linked
 
@@ -213,3 +214,34 @@ async def test_a_reply_too_large_to_send_is_dropped_and_the_link_serves_on() -> 
         gc.collect()
         assert (await ends.client.request(ListMemory(), Exports)).re == 2
         assert not ends.server.closed
+
+
+async def test_a_handler_that_closes_its_own_link_runs_to_its_end() -> None:
+    """Closing a link from inside its own reader (a notice handler) or request task stops the others,
+    not the one that called close: the handler's code after close still runs."""
+    finished: list[str] = []
+
+    class Closing(Handler):
+        async def on_request(self, link: ControlLink, request: Request) -> Reply:
+            link.close()
+            await asyncio.sleep(0)
+            finished.append("request")
+            return Exports()
+
+        async def on_notice(self, link: ControlLink, notice: Notice) -> None:
+            link.close()
+            await asyncio.sleep(0)
+            finished.append("notice")
+
+    for send in ("notice", "request"):
+        async with linked(Closing()) as ends:
+            if send == "notice":
+                ends.writer.write(encode(Notify(data=b"bye")))
+            else:
+                ends.writer.write(encode(ListMemory(id=1)))
+            for _ in range(200):
+                if ends.server.closed:
+                    break
+                await asyncio.sleep(0.005)
+            await asyncio.wait_for(ends.server.wait_closed(), 5)
+            assert finished == ["notice", "request"][: 1 if send == "notice" else 2]
