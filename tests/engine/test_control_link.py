@@ -4,6 +4,7 @@ raises, the timeout, bad frames, close, and read_message's bounds."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import struct
@@ -288,3 +289,37 @@ async def test_a_refusal_on_the_wire_says_its_reason_and_only_a_bug_is_logged(
         assert errors == (
             [(f"control request ListMemory from {ends.server.peer_address} failed", True)] if logged else []
         )
+
+
+async def test_a_reset_link_dropped_without_waiting_leaves_no_error_behind() -> None:
+    """The error a reset leaves in the connection's close is retrieved by the link itself: a closed link
+    nobody waited for is collected without asyncio reporting it (the loop's handler fails the test)."""
+    links: list[ControlLink] = []
+
+    def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        links.append(ControlLink(reader, writer, Handler(), max_frame=1 << 16, timeout=5))
+        links[-1].start()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    client = socket.create_connection(server.sockets[0].getsockname()[:2])
+    try:
+        for _ in range(200):
+            if links:
+                break
+            await asyncio.sleep(0.005)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # a reset
+        for _ in range(200):
+            if links[0].closed:
+                break
+            await asyncio.sleep(0.005)
+        for _ in range(10):
+            await asyncio.sleep(0.01)  # the close settles
+        assert links[0].closed
+        links.clear()
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
