@@ -245,3 +245,19 @@ async def test_a_handler_that_closes_its_own_link_runs_to_its_end() -> None:
                 await asyncio.sleep(0.005)
             await asyncio.wait_for(ends.server.wait_closed(), 5)
             assert finished == ["notice", "request"][: 1 if send == "notice" else 2]
+
+
+async def test_a_notice_handler_that_fails_ends_the_link_and_wait_closed_still_returns() -> None:
+    class Failing(Handler):
+        async def on_notice(self, link: ControlLink, notice: Notice) -> None:
+            raise ValueError("a bug in the handler")
+
+    server = Failing()
+    async with linked(server) as ends:
+        ends.writer.write(encode(Notify(data=b"x")))
+        for _ in range(200):
+            if ends.server.closed:
+                break
+            await asyncio.sleep(0.005)
+        assert server.closed == [ends.server]
+        await asyncio.wait_for(ends.server.wait_closed(), 5)  # the reader's error is not raised here
