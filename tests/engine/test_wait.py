@@ -297,3 +297,14 @@ def test_the_wait_ends_at_its_deadline_exactly_on_a_clock_only_the_test_moves() 
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+async def test_waiting_again_and_again_on_a_transfer_that_never_ends_holds_a_bounded_list() -> None:
+    """Each wait that ended leaves its watcher closed on the transfer, and closed watchers are dropped as
+    new ones come: a thousand waits that time out hold no more than a handful."""
+    t = Transfer(asyncio.get_running_loop(), 7, Opcode.RDMA_READ, "b", (0,), (0,), (8,))
+    t.start(1)
+    for _ in range(1000):
+        with pytest.raises(TransferError):
+            await waiting_for_transfer_complete(t, timeout=0)
+    assert t.attached().watchers <= 17
