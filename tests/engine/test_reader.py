@@ -376,3 +376,14 @@ async def test_one_wakeup_per_channel_event() -> None:
     finally:
         reader.close()
         cq.close()
+
+
+async def test_a_reader_closed_before_it_started_touches_nothing() -> None:
+    timers, cq = Timers(), Queue()
+    reader = fallback(timers, cq, [])
+    reader.close()
+    reader.close()
+    assert (timers.readers, timers.removed, timers.timers) == ([], [], [])
+    stats = reader.statistics()
+    assert (stats.wakeups, stats.completions, stats.largest_batch) == (0, 0, 0)
+    cq.close()
