@@ -225,7 +225,7 @@ async def test_a_second_start_is_an_error() -> None:
     reader = CompletionReader(loop, cq, lambda wcs: seen.extend(w.wr_id for w in wcs))
     reader.start()
     try:
-        with pytest.raises(RuntimeError, match="already started"):
+        with pytest.raises(RuntimeError, match=r"^this completion reader was already started$"):
             reader.start()
         cq.add(wc(1))
         assert reader.drain() == 1 and seen == [1]
@@ -386,4 +386,19 @@ async def test_a_reader_closed_before_it_started_touches_nothing() -> None:
     assert (timers.readers, timers.removed, timers.timers) == ([], [], [])
     stats = reader.statistics()
     assert (stats.wakeups, stats.completions, stats.largest_batch) == (0, 0, 0)
+    cq.close()
+
+
+async def test_fd_zero_is_a_channel_fd_like_any_other() -> None:
+    class FdZero(Queue):
+        def fileno(self) -> int:
+            return 0
+
+    timers, cq = Timers(), FdZero()
+    reader = fallback(timers, cq, [])
+    reader.start()
+    reader.kick()
+    assert (timers.readers, timers.timers, reader.statistics().fallback_polling) == ([0], [], False)
+    reader.close()
+    assert timers.removed == [0]
     cq.close()
