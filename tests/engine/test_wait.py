@@ -47,6 +47,7 @@ async def test_timeout_lists_every_pending_transfer_and_they_go_on(held: Pair) -
     assert 0.2 - 1e-6 <= elapsed < 0.2 + 1.0  # loop time; the tolerance is float rounding only
     assert info.value.failed == []
     assert sorted(e.transfer_id for e in info.value.timed_out) == [t.id for t in ts[1:]]
+    assert [e.timeout for e in info.value.timed_out] == [0.2] * 3  # each says the deadline it missed
     assert str(info.value).startswith("3/4 transfers failed:")
     assert "adjust" not in str(info.value)  # hint lives on the member, not in every line
     # A timeout is not a cancellation: the transfers are still held, pinned, and end later.
