@@ -26,8 +26,10 @@ from moriio_async.core.protocol import (
     answering,
     decode,
     encode,
+    proven_transports,
     with_id,
 )
+from moriio_async.descriptors import TransportDesc
 from moriio_async.status import Access
 
 ENGINE = EngineDesc("b", "127.0.0.1", 5555, (1 << 64) - 1, "tcp")
@@ -116,3 +118,65 @@ def test_anything_else_is_a_frame_error(body: bytes, says: str) -> None:
 def test_an_oversized_message_is_refused_before_it_is_sent() -> None:
     with pytest.raises(FrameError, match="exceeds the 64-byte frame limit"):
         encode(Notify(data=b"x" * 64), max_frame=64)
+
+
+def test_transports_and_per_backend_rkeys_cross_the_wire_unchanged() -> None:
+    engine = EngineDesc("b", "h", 1, 2, "tcp", (TransportDesc("tcp", "rack-1"), TransportDesc("mock")))
+    region = MemoryDesc("b", 2, "kv", 4096, 64, 9, Access.REMOTE_WRITE, (("tcp", 9), ("mock", 0xFFFF_FFFF)))
+    assert EngineRecord.of(engine).desc() == engine
+    assert RegionRecord.of(region).desc() == region
+    welcome = Welcome(re=1, engine=EngineRecord.of(engine), memory=[RegionRecord.of(region)])
+    decoded = decode(encode(welcome)[4:])
+    assert isinstance(decoded, Welcome)
+    assert decoded.engine.desc() == engine and [r.desc() for r in decoded.memory] == [region]
+
+
+def test_access_bits_a_peer_sends_beyond_the_known_ones_are_dropped() -> None:
+    record = RegionRecord(engine_key="b", incarnation=1, name="kv", addr=0, length=1, rkey=1, access=0xFFFF_FFF8 | 4)
+    assert record.desc().access == Access.REMOTE_READ
+
+
+def test_the_proofs_cover_both_transport_lists_compact_and_a_newline_apart() -> None:
+    old = EngineRecord.of(EngineDesc("a", "h", 1, 2, "tcp"))
+    new = EngineRecord.of(EngineDesc("b", "h", 1, 2, "tcp", (TransportDesc("tcp", "r1"), TransportDesc("mock"))))
+    listed = b'[{"name":"tcp","scope":"r1"},{"name":"mock","scope":""}]'
+    assert new.transport_bytes() == listed and old.transport_bytes() == b"[]"
+    assert proven_transports(old, old) == b""
+    assert proven_transports(new, old) == listed + b"\n[]"
+    assert proven_transports(old, new) == b"[]\n" + listed
+
+
+@pytest.mark.parametrize("field", ["incarnation", "addr", "length"])
+def test_a_region_field_past_2_64_is_refused_by_its_name(field: str) -> None:
+    fields = {"engine_key": "b", "incarnation": 1, "name": "kv", "addr": 1, "length": 1, "rkey": 1, "access": 1}
+    body = json.dumps({"op": "exports", "re": 1, "memory": [{**fields, field: 1 << 64}]}).encode()
+    with pytest.raises(
+        FrameError, match=rf"^invalid control message: `{field}` exceeds 2\*\*64 - 1 - at `\$.memory\[0\]`$"
+    ):
+        decode(body)
+    assert decode(json.dumps({"op": "exports", "memory": [{**fields, field: (1 << 64) - 1}]}).encode()) == Exports(
+        memory=[RegionRecord(**{**fields, field: (1 << 64) - 1})]  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"op": "connect_qp", "id": 1, "incarnation": 18446744073709551616, "endpoint": {}}',
+        b'{"op": "done", "uid": 18446744073709551616, "code": 0}',
+        hello(incarnation=1 << 64),
+    ],
+)
+def test_a_u64_field_past_2_64_is_refused_by_its_name(body: bytes) -> None:
+    field = "uid" if b"done" in body else "incarnation"
+    with pytest.raises(FrameError, match=rf"^invalid control message: `{field}` exceeds 2\*\*64 - 1"):
+        decode(body)
+
+
+def test_what_a_frame_error_says_first() -> None:
+    with pytest.raises(FrameError, match=r"^frame is not a JSON message: "):
+        decode(b"{")
+    with pytest.raises(FrameError, match=r"^invalid control message: Expected `object`, got `array`$"):
+        decode(b"[1]")
+    with pytest.raises(FrameError, match=r"^control message nested too deeply$"):
+        decode(b'{"op": "hello", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
@@ -222,10 +225,180 @@ async def test_a_second_start_is_an_error() -> None:
     reader = CompletionReader(loop, cq, lambda wcs: seen.extend(w.wr_id for w in wcs))
     reader.start()
     try:
-        with pytest.raises(RuntimeError, match="already started"):
+        with pytest.raises(RuntimeError, match=r"^this completion reader was already started$"):
             reader.start()
         cq.add(wc(1))
         assert reader.drain() == 1 and seen == [1]
     finally:
         reader.close()
         cq.close()
+
+
+class Timer:
+    """A timer the test fires by hand."""
+
+    def __init__(self, delay: float, callback: Callable[[], None]) -> None:
+        self.delay = delay
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Timers:
+    """The parts of an event loop a reader uses, recorded: the fallback's timers fire when the test says."""
+
+    def __init__(self) -> None:
+        self.timers: list[Timer] = []
+        self.readers: list[int] = []
+        self.removed: list[int] = []
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        self.timers.append(Timer(delay, callback))
+        return cast(asyncio.TimerHandle, self.timers[-1])
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        self.readers.append(fd)
+
+    def remove_reader(self, fd: int) -> None:
+        self.removed.append(fd)
+
+    def fire(self) -> float:
+        """Run the one live timer; its delay."""
+        live = [t for t in self.timers if not t.cancelled]
+        assert len(live) == 1, live
+        self.timers.clear()
+        live[0].callback()
+        return live[0].delay
+
+
+class NoFd(Queue):
+    def fileno(self) -> int:
+        return -1
+
+
+def fallback(timers: Timers, cq: Queue, batches: list[int], **kwargs: Any) -> CompletionReader:
+    loop = cast(asyncio.AbstractEventLoop, timers)
+    return CompletionReader(loop, cq, lambda wcs: batches.append(len(wcs)), **kwargs)
+
+
+async def test_fallback_polls_back_off_to_the_ceiling_and_come_back_with_work(caplog: pytest.LogCaptureFixture) -> None:
+    """Without a channel fd, nothing polls until work is posted; then every min_interval while
+    completions come, doubling while idle up to max_interval, and min_interval again at the next one."""
+    timers, cq = Timers(), NoFd()
+    batches: list[int] = []
+    reader = fallback(timers, cq, batches, min_interval=0.001, max_interval=0.006)
+    with caplog.at_level(logging.WARNING, logger="moriio_async"):
+        reader.start()
+    assert [r.getMessage() for r in caplog.records] == [
+        "completion channel has no fd (pyverbs < 57): polling the CQ from the event loop; "
+        "upgrade rdma-core/pyverbs to 57+ for event-driven completions"
+    ]
+    assert timers.timers == [] and timers.readers == []
+    reader.kick()
+    reader.kick()  # a poll is already coming: not a second timer
+    assert len(timers.timers) == 1
+    assert [timers.fire() for _ in range(5)] == [0.001, 0.002, 0.004, 0.006, 0.006]
+    cq.add(wc(1))
+    assert timers.fire() == 0.006 and batches == [1]  # the poll that found it: the next one is soon
+    assert timers.fire() == 0.001
+    assert timers.fire() == 0.002
+    reader.kick()  # work posted while backed off: the back-off starts over from min_interval
+    assert timers.fire() == 0.004
+    assert timers.fire() == 0.002
+    stats = reader.statistics()
+    assert (stats.wakeups, stats.completions, stats.largest_batch, stats.fallback_polling) == (10, 1, 1, True)
+    reader.close()
+    assert all(t.cancelled for t in timers.timers) and timers.removed == []
+    reader.kick()  # closed: nothing more is scheduled
+    assert all(t.cancelled for t in timers.timers)
+    cq.close()
+
+
+async def test_fallback_defaults_and_idle_stop() -> None:
+    """The defaults: 0.2 ms while busy, backing off to 10 ms; a reader with no work in flight stops polling."""
+    timers, cq = Timers(), NoFd()
+    batches: list[int] = []
+    work = [True]
+    reader = fallback(timers, cq, batches, has_work=lambda: work[0])
+    reader.start()
+    reader.kick()
+    delays = [timers.fire() for _ in range(8)]
+    assert delays == pytest.approx([0.0002, 0.0004, 0.0008, 0.0016, 0.0032, 0.0064, 0.01, 0.01])
+    work[0] = False
+    timers.fire()
+    assert timers.timers == []
+    reader.kick()
+    assert [t.delay for t in timers.timers] == [0.0002]
+    reader.close()
+    cq.close()
+
+
+async def test_drain_polls_in_batches_until_empty() -> None:
+    timers, cq = Timers(), Queue()
+    batches: list[int] = []
+    reader = fallback(timers, cq, batches)
+    reader.start()
+    assert timers.readers == [cq.fileno()]
+    for i in range(150):
+        cq.add(wc(i))
+    assert reader.drain() == 150 and batches == [64, 64, 22]
+    small = fallback(Timers(), cq, batches, batch=4)
+    for i in range(10):
+        cq.add(wc(i))
+    assert small.drain() == 10 and batches[3:] == [4, 4, 2]
+    assert reader.drain() == 0
+    reader.kick()  # a channel fd: no timer, ever
+    assert timers.timers == []
+    stats = reader.statistics()
+    assert (stats.wakeups, stats.completions, stats.largest_batch, stats.fallback_polling) == (0, 150, 64, False)
+    reader.close()
+    assert timers.removed == [cq.fileno()]
+    cq.close()
+
+
+async def test_one_wakeup_per_channel_event() -> None:
+    """Each event is consumed before the reader re-arms: an event left unread would keep the fd readable
+    and wake the reader on every loop iteration with nothing to poll."""
+    loop = asyncio.get_running_loop()
+    cq = Queue()
+    seen: list[int] = []
+    reader = CompletionReader(loop, cq, lambda wcs: seen.extend(w.wr_id for w in wcs))
+    reader.start()
+    try:
+        for i in range(3):
+            cq.add(wc(i))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert seen == list(range(i + 1))
+            assert reader.statistics().wakeups == i + 1
+    finally:
+        reader.close()
+        cq.close()
+
+
+async def test_a_reader_closed_before_it_started_touches_nothing() -> None:
+    timers, cq = Timers(), Queue()
+    reader = fallback(timers, cq, [])
+    reader.close()
+    reader.close()
+    assert (timers.readers, timers.removed, timers.timers) == ([], [], [])
+    stats = reader.statistics()
+    assert (stats.wakeups, stats.completions, stats.largest_batch) == (0, 0, 0)
+    cq.close()
+
+
+async def test_fd_zero_is_a_channel_fd_like_any_other() -> None:
+    class FdZero(Queue):
+        def fileno(self) -> int:
+            return 0
+
+    timers, cq = Timers(), FdZero()
+    reader = fallback(timers, cq, [])
+    reader.start()
+    reader.kick()
+    assert (timers.readers, timers.timers, reader.statistics().fallback_polling) == ([0], [], False)
+    reader.close()
+    assert timers.removed == [0]
+    cq.close()

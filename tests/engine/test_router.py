@@ -181,7 +181,7 @@ async def test_start_drains_and_add_queue_after_start_is_refused() -> None:
 async def test_close_dispatches_what_is_queued_once_then_drains_nothing() -> None:
     loop = asyncio.get_running_loop()
     router, cq, log = one_channel(loop)
-    assert not router.closed
+    assert router.closed is False
     router.begin_close()
     assert router.closed
     cq.queue = [wc(1, 3)]

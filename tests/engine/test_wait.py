@@ -15,7 +15,9 @@ from moriio_async import (
     WcStatus,
     waiting_for_transfer_complete,
 )
+from moriio_async.aio.transfer import Transfer
 from moriio_async.backends.mock import MockQueuePair
+from moriio_async.status import Opcode
 
 from .conftest import Pair, make_pair
 
@@ -45,6 +47,7 @@ async def test_timeout_lists_every_pending_transfer_and_they_go_on(held: Pair) -
     assert 0.2 - 1e-6 <= elapsed < 0.2 + 1.0  # loop time; the tolerance is float rounding only
     assert info.value.failed == []
     assert sorted(e.transfer_id for e in info.value.timed_out) == [t.id for t in ts[1:]]
+    assert [e.timeout for e in info.value.timed_out] == [0.2] * 3  # each says the deadline it missed
     assert str(info.value).startswith("3/4 transfers failed:")
     assert "adjust" not in str(info.value)  # hint lives on the member, not in every line
     # A timeout is not a cancellation: the transfers are still held, pinned, and end later.
@@ -238,3 +241,71 @@ async def test_a_timeout_lists_what_was_pending_at_the_deadline_even_if_read_aft
     assert all(t.Succeeded() for t in ts)
     assert [e.transfer_id for e in info.value.timed_out] == [t.id for t in ts[1:]]
     assert str(info.value).startswith("2/3 transfers failed:")
+
+
+async def test_failures_are_listed_by_transfer_id_whenever_they_were_seen(held: Pair) -> None:
+    """A failure known before the wait and one seen during it are listed in transfer-id order, not in
+    the order they were found."""
+    first, second, idle = (held.session.read(i, i, 1) for i in range(3))
+    second.fail(StatusCode.ERR_BAD_STATE, "known before the wait")
+    asyncio.get_running_loop().call_soon(first.fail, StatusCode.ERR_BAD_STATE, "seen during the wait")
+    with pytest.raises(TransferError) as info:
+        await waiting_for_transfer_complete([first, second, idle], timeout=0.05)
+    assert [e.transfer_id for e in info.value.failed] == [first.id, second.id]
+    assert [e.transfer_id for e in info.value.timed_out] == [idle.id]
+    nic(held).step(3)
+    await waiting_for_transfer_complete(idle, timeout=5)
+
+
+class StoppedClock(asyncio.SelectorEventLoop):
+    """An asyncio loop whose time moves only when the test sets it."""
+
+    now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_the_wait_ends_at_its_deadline_exactly_on_a_clock_only_the_test_moves() -> None:
+    """The deadline is reached when the loop's time equals it: the wait ends then, and not before (a
+    wait that looked again while no time passed would never end on such a clock)."""
+    loop = StoppedClock()
+    drained: list[int] = []
+
+    class Drain:
+        def drain(self) -> int:
+            drained.append(1)
+            return 0
+
+    async def main() -> None:
+        t = Transfer(loop, 7, Opcode.RDMA_READ, "b", (0,), (0,), (8,), drainer=Drain())
+        t.start(1)
+        waiting = loop.create_task(waiting_for_transfer_complete([t], timeout=5))
+        for now in (0.0, 4.0, 5.0 - 1e-9):
+            loop.now = now
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiting.done(), now
+        loop.now = 5.0
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert waiting.done()
+        with pytest.raises(TransferError) as info:
+            await waiting
+        assert [e.transfer_id for e in info.value.timed_out] == [7] and drained == [1]
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+async def test_waiting_again_and_again_on_a_transfer_that_never_ends_holds_a_bounded_list() -> None:
+    """Each wait that ended leaves its watcher closed on the transfer, and closed watchers are dropped as
+    new ones come: a thousand waits that time out hold no more than a handful."""
+    t = Transfer(asyncio.get_running_loop(), 7, Opcode.RDMA_READ, "b", (0,), (0,), (8,))
+    t.start(1)
+    for _ in range(1000):
+        with pytest.raises(TransferError):
+            await waiting_for_transfer_complete(t, timeout=0)
+    assert t.attached().watchers <= 17

@@ -1,0 +1,281 @@
+"""The control listener on its own: what admit is asked, what a refused client hears, binding every
+address of a host on one port, and closing."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+from typing import Any
+
+import pytest
+
+from moriio_async.aio.listener import Listener
+
+from .wire import messages, read_message
+
+
+class Accepted:
+    """``on_connection``: keeps the streams it is handed."""
+
+    def __init__(self) -> None:
+        self.streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.streams.append((reader, writer))
+
+    async def count(self, n: int) -> None:
+        for _ in range(500):
+            if len(self.streams) >= n:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"{len(self.streams)} connections handed over, not {n}")
+
+    def close(self) -> None:
+        for _, writer in self.streams:
+            writer.close()
+
+
+async def test_admit_is_asked_with_the_connections_not_yet_handed_over() -> None:
+    asked: list[tuple[str, int, int]] = []
+
+    def admit(host: str, from_host: int, pending: int) -> str | None:
+        asked.append((host, from_host, pending))
+        return None
+
+    accepted = Accepted()
+    listener = Listener(accepted, admit=admit)
+    port = await listener.start("127.0.0.1", 0)
+    assert port == listener.port and port > 0
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]  # queued before the loop looks
+    try:
+        await accepted.count(3)
+        assert asked == [("127.0.0.1", 0, 0), ("127.0.0.1", 1, 1), ("127.0.0.1", 2, 2)]
+        clients.append(socket.create_connection(("127.0.0.1", port)))
+        await accepted.count(4)
+        assert asked[3:] == [("127.0.0.1", 0, 0)]  # every one handed over is no longer pending
+        clients[0].sendall(b"ping")
+        assert await accepted.streams[0][0].readexactly(4) == b"ping"
+    finally:
+        for client in clients:
+            client.close()
+        accepted.close()
+        await listener.close()
+
+
+async def test_a_refused_client_hears_why_and_is_closed() -> None:
+    accepted = Accepted()
+    listener = Listener(accepted, admit=lambda host, from_host, pending: "too many links from 127.0.0.1")
+    port = await listener.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"\x00\x00\x00\x02{}")  # what the client said first is read, not answered with a reset
+        await writer.drain()
+        reply = await read_message(reader)
+        assert reply == {"op": "error", "re": None, "reason": "busy", "message": "too many links from 127.0.0.1"}
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert accepted.streams == []
+    finally:
+        writer.close()
+        await listener.close()
+
+
+async def test_every_address_of_the_host_listens_on_the_one_port() -> None:
+    """An empty host is every address, IPv4 and IPv6 (each family its own socket, the IPv6 one v6-only):
+    with port 0 the second family takes the port the first one got."""
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("", 0)
+    try:
+        assert not listener.loopback_only
+        for host in ("127.0.0.1", "::1"):
+            _, writer = await asyncio.open_connection(host, port)
+            writer.close()
+        await accepted.count(2)
+        families = {writer.get_extra_info("socket").family for _, writer in accepted.streams}
+        assert families == {socket.AF_INET, socket.AF_INET6}
+    finally:
+        accepted.close()
+        await listener.close()
+
+
+async def test_a_port_taken_is_refused_with_the_address_and_leaves_nothing_open() -> None:
+    first = Listener(Accepted())
+    port = await first.start("127.0.0.1", 0)
+    second = Listener(Accepted())
+    try:
+        with pytest.raises(
+            OSError,
+            match=rf"^\[Errno {errno.EADDRINUSE}\] cannot listen on 127.0.0.1:{port}: {os.strerror(errno.EADDRINUSE)}$",
+        ) as info:
+            await second.start("127.0.0.1", port)
+        assert info.value.errno == errno.EADDRINUSE
+        assert second.port == 0  # the sockets it made are closed and forgotten
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_start_twice_is_an_error_and_close_stops_accepting() -> None:
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("127.0.0.1", 0)
+    with pytest.raises(RuntimeError, match="already started"):
+        await listener.start("127.0.0.1", 0)
+    assert listener.loopback_only
+    assert listener.closed is False
+    await listener.close()
+    await listener.close()
+    assert listener.closed and listener.port == 0 and not listener.loopback_only
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection("127.0.0.1", port)
+    assert accepted.streams == []
+
+
+async def test_a_connection_accepted_as_the_listener_closes_is_closed_not_handed_over() -> None:
+    accepted = Accepted()
+    closing: list[asyncio.Task[None]] = []
+
+    def admit(host: str, from_host: int, pending: int) -> str | None:
+        # The listener starts closing as this connection is accepted, before its streams exist.
+        closing.append(asyncio.get_running_loop().create_task(listener.close()))
+        return None
+
+    listener = Listener(accepted, admit=admit)
+    port = await listener.start("127.0.0.1", 0)
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        for _ in range(500):
+            if closing:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.wait_for(closing[0], 5)  # close waits for the connection accepted meanwhile
+        client.settimeout(5)
+        assert client.recv(1) == b""  # closed by the listener
+        assert accepted.streams == []
+    finally:
+        client.close()
+
+
+def failing_accept(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[float]:
+    """The next accept() of any socket fails with ``error`` (once); the loop times of every accept call."""
+    real = socket.socket.accept
+    calls: list[float] = []
+
+    def accept(sock: socket.socket) -> tuple[socket.socket, Any]:
+        calls.append(asyncio.get_running_loop().time())
+        if len(calls) == 1:
+            raise error
+        return real(sock)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    return calls
+
+
+def listener_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "moriio_async" and r.levelno == logging.WARNING]
+
+
+async def test_an_accept_that_fails_is_logged_and_accepting_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("127.0.0.1", 0)
+    calls = failing_accept(monkeypatch, OSError(errno.EPROTO, "Protocol error"))
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        await accepted.count(1)
+        assert listener_warnings(caplog) == [f"control listener: accept failed: [Errno {errno.EPROTO}] Protocol error"]
+        assert calls[1] - calls[0] < 0.5  # not paused: the next look accepts it
+    finally:
+        client.close()
+        accepted.close()
+        await listener.close()
+
+
+async def test_out_of_fds_pauses_accepting_for_a_second(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("127.0.0.1", 0)
+    calls = failing_accept(monkeypatch, OSError(errno.EMFILE, "Too many open files"))
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        await accepted.count(1)
+        assert listener_warnings(caplog) == [
+            f"control listener: [Errno {errno.EMFILE}] Too many open files; not accepting for 1s"
+        ]
+        assert 1.0 - 1e-3 <= calls[1] - calls[0] < 3  # nothing accepted meanwhile, then accepting resumes
+    finally:
+        client.close()
+        accepted.close()
+        await listener.close()
+
+
+async def test_a_listener_closed_while_paused_stays_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    accepted = Accepted()
+    listener = Listener(accepted)
+    port = await listener.start("127.0.0.1", 0)
+    calls = failing_accept(monkeypatch, OSError(errno.ENFILE, "Too many open files in system"))
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        for _ in range(200):
+            if calls:
+                break
+            await asyncio.sleep(0.005)
+        await listener.close()  # during the pause: the resume is called off
+        await asyncio.sleep(1.2)  # past the pause: nothing is watched again (the loop would report an error)
+        assert len(calls) == 1 and accepted.streams == []
+    finally:
+        client.close()
+
+
+def refused_reply(client: socket.socket) -> bytes:
+    """Everything a refused client receives, to the end of the stream (a reset raises)."""
+    client.settimeout(5)
+    got = b""
+    while chunk := client.recv(1 << 16):
+        got += chunk
+    return got
+
+
+BUSY = {"op": "error", "re": None, "reason": "busy", "message": "full"}
+
+
+@pytest.mark.parametrize("says", [b"", b"\x00\x00\x00\x02{}" * 100], ids=["silent", "spoke-first"])
+async def test_a_refused_client_gets_its_answer_and_a_clean_end(says: bytes) -> None:
+    """What the client sent before the refusal is read first, so the close is a clean end of stream, not
+    a reset; a client that sent nothing is refused the same way."""
+    listener = Listener(Accepted(), admit=lambda host, from_host, pending: "full")
+    port = await listener.start("127.0.0.1", 0)
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(says)  # in the socket before the listener accepts (the loop has not run since)
+    try:
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        got = await asyncio.get_running_loop().run_in_executor(None, refused_reply, client)
+        assert messages(got) == [BUSY]
+    finally:
+        client.close()
+        await listener.close()
+
+
+async def test_a_refused_client_gone_before_its_answer_is_closed_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def gone(sock: socket.socket, data: bytes) -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    accepted = Accepted()
+    listener = Listener(accepted, admit=lambda host, from_host, pending: "full")
+    port = await listener.start("127.0.0.1", 0)
+    monkeypatch.setattr(socket.socket, "send", gone)
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        client.settimeout(5)
+        assert await asyncio.get_running_loop().run_in_executor(None, client.recv, 1) == b""  # closed, unanswered
+    finally:
+        client.close()
+        await listener.close()
