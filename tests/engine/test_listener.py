@@ -159,12 +159,15 @@ async def test_a_connection_accepted_as_the_listener_closes_is_closed_not_handed
         client.close()
 
 
-def failing_accept(monkeypatch: pytest.MonkeyPatch, error: OSError) -> list[float]:
-    """The next accept() of any socket fails with ``error`` (once); the loop times of every accept call."""
+def failing_accept(monkeypatch: pytest.MonkeyPatch, port: int, error: OSError) -> list[float]:
+    """The next accept() on ``port`` fails with ``error`` (once); the loop times of every accept call there.
+    Other sockets (another test's leftover accept thread, say) accept as usual."""
     real = socket.socket.accept
     calls: list[float] = []
 
     def accept(sock: socket.socket) -> tuple[socket.socket, Any]:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.getsockname()[1] != port:
+            return real(sock)
         calls.append(asyncio.get_running_loop().time())
         if len(calls) == 1:
             raise error
@@ -184,7 +187,7 @@ async def test_an_accept_that_fails_is_logged_and_accepting_goes_on(
     accepted = Accepted()
     listener = Listener(accepted)
     port = await listener.start("127.0.0.1", 0)
-    calls = failing_accept(monkeypatch, OSError(errno.EPROTO, "Protocol error"))
+    calls = failing_accept(monkeypatch, port, OSError(errno.EPROTO, "Protocol error"))
     client = socket.create_connection(("127.0.0.1", port))
     try:
         await accepted.count(1)
@@ -202,7 +205,7 @@ async def test_out_of_fds_pauses_accepting_for_a_second(
     accepted = Accepted()
     listener = Listener(accepted)
     port = await listener.start("127.0.0.1", 0)
-    calls = failing_accept(monkeypatch, OSError(errno.EMFILE, "Too many open files"))
+    calls = failing_accept(monkeypatch, port, OSError(errno.EMFILE, "Too many open files"))
     client = socket.create_connection(("127.0.0.1", port))
     try:
         await accepted.count(1)
@@ -220,7 +223,7 @@ async def test_a_listener_closed_while_paused_stays_closed(monkeypatch: pytest.M
     accepted = Accepted()
     listener = Listener(accepted)
     port = await listener.start("127.0.0.1", 0)
-    calls = failing_accept(monkeypatch, OSError(errno.ENFILE, "Too many open files in system"))
+    calls = failing_accept(monkeypatch, port, OSError(errno.ENFILE, "Too many open files in system"))
     client = socket.create_connection(("127.0.0.1", port))
     try:
         for _ in range(200):
@@ -265,8 +268,15 @@ async def test_a_refused_client_gets_its_answer_and_a_clean_end(says: bytes) -> 
 
 
 async def test_a_refused_client_gone_before_its_answer_is_closed_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
-    def gone(sock: socket.socket, data: bytes) -> int:
-        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+    real_send = socket.socket.send
+
+    def gone(sock: socket.socket, data: bytes, *flags: int) -> int:
+        # Only the accepted connection's send fails: the event loop's self-pipe (an AF_UNIX pair,
+        # written by call_soon_threadsafe when the executor's recv returns) must keep working, or
+        # the loop never wakes for the answer.
+        if sock.family == socket.AF_INET and sock.getsockname()[1] == port:
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+        return real_send(sock, data, *flags)
 
     accepted = Accepted()
     listener = Listener(accepted, admit=lambda host, from_host, pending: "full")
