@@ -61,6 +61,13 @@ def dial(port: int, token: bytes, qp_num: int = 7, timeout: float = 5.0) -> tupl
     return sock, status
 
 
+def accept_one_request(conn: socket.socket, qp_num: int = 99) -> bytes:
+    """A fake target's side: take the hello, accept it, and read one single-request chunk (no payload)."""
+    recv_exactly(conn, HELLO.size)
+    conn.sendall(HELLO_ACK.pack(MAGIC, VERSION, OK, qp_num))
+    return recv_exactly(conn, CHUNK.size + DESC.size)
+
+
 def chunk(opcode: int, seq: int, *descs: tuple[int, int, int]) -> bytes:
     """A chunk header and its descriptors ``(rkey, addr, length)`` (a WRITE's payloads follow separately)."""
     return CHUNK.pack(opcode, 0, 0, seq, len(descs), 0) + b"".join(DESC.pack(r, 0, a, n) for r, a, n in descs)

@@ -47,9 +47,7 @@ def test_a_response_that_answers_another_request_is_a_bad_response(kind: str) ->
     def serve() -> None:
         conn, _ = fake.accept()
         with conn:
-            dw.recv_exactly(conn, dw.HELLO.size)
-            conn.sendall(dw.HELLO_ACK.pack(dw.MAGIC, dw.VERSION, dw.OK, 99))
-            dw.recv_exactly(conn, dw.CHUNK.size + dw.DESC.size)
+            dw.accept_one_request(conn)
             conn.sendall(BAD[kind] + b"\7" * SIZE)
             conn.settimeout(10)
             while conn.recv(1 << 16):  # until the initiator hangs up

@@ -321,9 +321,7 @@ def test_a_target_trickling_its_read_response_is_cut_at_the_deadline(part: str) 
     def serve() -> None:
         conn, _ = fake.accept()
         with conn:
-            dw.recv_exactly(conn, dw.HELLO.size)
-            conn.sendall(dw.HELLO_ACK.pack(dw.MAGIC, dw.VERSION, dw.OK, 99))
-            dw.recv_exactly(conn, dw.CHUNK.size + dw.DESC.size)
+            dw.accept_one_request(conn)
             head = dw.RESPONSE.pack(dw.READ, 0, 0, 0, 1, 0, 4096)
             if part == "payload":
                 conn.sendall(head + b"\1" * 100)
