@@ -187,6 +187,32 @@ class Pair:
         return self.waiter.wait(n)
 
 
+@dataclass
+class FakeTargetClient:
+    """A TCP initiator's queue pair dialled at a fake target (a test's own socket server), with
+    ``size`` bytes of registered memory to read into."""
+
+    buf: np.ndarray
+    mr: MemoryRegion
+    qp: QueuePair
+    waiter: CqWaiter
+
+    @classmethod
+    def dial(cls, backend: Backend, port: int, size: int) -> FakeTargetClient:
+        buf = np.zeros(size, np.uint8)
+        mr = backend.register_memory(memoryview(buf), Access.all())
+        cq = backend.create_cq(8)
+        qp = backend.create_qp(cq)
+        qp.connect({"backend": "tcp", "accepting": True, "host": "127.0.0.1", "port": port, "qp_num": 99,
+                    "token": "ab" * 16})  # fmt: skip
+        return cls(buf, mr, qp, CqWaiter(cq))
+
+    def read(self, wr_id: int, offset: int, length: int) -> None:
+        """Post one READ of ``length`` bytes into ``buf[offset:]`` from remote 0x1000, rkey 7."""
+        self.qp.post_send([WorkRequest(wr_id, Opcode.RDMA_READ, (Sge(self.mr.addr + offset, length, self.mr.lkey),),
+                                       0x1000, 7)])  # fmt: skip
+
+
 def connect(a: QueuePair, b: QueuePair) -> None:
     """The contract's order; endpoints travel as JSON, as they would between machines."""
     ep_a = json.loads(json.dumps(dict(a.endpoint())))

@@ -11,17 +11,15 @@ from __future__ import annotations
 import socket
 import threading
 
-import numpy as np
 import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
 from moriio_async.backends.tcp import VendorErr
-from moriio_async.status import Access, Opcode, WcStatus
-from moriio_async.work import Sge, WorkRequest
+from moriio_async.status import Opcode, WcStatus
 
 from . import datawire as dw
-from .harness import CqWaiter, make_options
+from .harness import FakeTargetClient, make_options
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -56,14 +54,9 @@ def test_a_response_that_answers_another_request_is_a_bad_response(kind: str) ->
     server = threading.Thread(target=serve)
     server.start()
     try:
-        buf = np.zeros(2 * SIZE, np.uint8)
-        mr = backend.register_memory(memoryview(buf), Access.all())
-        cq = backend.create_cq(8)
-        qp = backend.create_qp(cq)
-        qp.connect({"backend": "tcp", "accepting": True, "host": "127.0.0.1", "port": fake.getsockname()[1],
-                    "qp_num": 99, "token": "ab" * 16})  # fmt: skip
-        waiter = CqWaiter(cq)
-        qp.post_send([WorkRequest(1, Opcode.RDMA_READ, (Sge(mr.addr, SIZE, mr.lkey),), 0x1000, 7)])
+        client = FakeTargetClient.dial(backend, fake.getsockname()[1], 2 * SIZE)
+        qp, waiter = client.qp, client.waiter
+        client.read(1, 0, SIZE)
         [wc] = waiter.wait(1)
         assert (wc.wr_id, wc.status, wc.vendor_err, wc.opcode, wc.qp_num) == (
             1,
@@ -73,10 +66,10 @@ def test_a_response_that_answers_another_request_is_a_bad_response(kind: str) ->
             qp.qp_num,
         )
         assert qp.state == QpState.ERR
-        qp.post_send([WorkRequest(2, Opcode.RDMA_READ, (Sge(mr.addr + SIZE, SIZE, mr.lkey),), 0x1000, 7)])
+        client.read(2, SIZE, SIZE)
         [wc] = waiter.wait(1)
         assert (wc.wr_id, wc.status, wc.vendor_err) == (2, WcStatus.WR_FLUSH_ERR, 0)
-        assert not buf[SIZE:].any(), "a byte landed outside the failed request's buffer"
+        assert not client.buf[SIZE:].any(), "a byte landed outside the failed request's buffer"
     finally:
         backend.close()
         server.join()

@@ -23,11 +23,10 @@ from moriio_async.backends.tcp import Hooks, TcpBackend, VendorErr
 from moriio_async.backends.tcp.regions import KeyStream
 from moriio_async.core.auth import token_for
 from moriio_async.errors import InvalidArgument
-from moriio_async.status import Access, Opcode, WcStatus
-from moriio_async.work import Sge, WorkRequest
+from moriio_async.status import Access, WcStatus
 
 from . import datawire as dw
-from .harness import CqWaiter, make_options
+from .harness import FakeTargetClient, make_options
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -337,15 +336,9 @@ def test_a_target_trickling_its_read_response_is_cut_at_the_deadline(part: str) 
     server = threading.Thread(target=serve)
     server.start()
     try:
-        buf = np.zeros(4096, np.uint8)
-        mr = backend.register_memory(memoryview(buf), Access.all())
-        cq = backend.create_cq(8)
-        qp = backend.create_qp(cq)
-        qp.connect({"backend": "tcp", "accepting": True, "host": "127.0.0.1", "port": fake.getsockname()[1],
-                    "qp_num": 99, "token": "ab" * 16})  # fmt: skip
-        waiter = CqWaiter(cq)
-        qp.post_send([WorkRequest(1, Opcode.RDMA_READ, (Sge(mr.addr, 4096, mr.lkey),), 0x1000, 7)])
-        [wc] = waiter.wait(1, timeout=4.0)  # the trickle would take 4.8 s (header) or 800 s (payload)
+        client = FakeTargetClient.dial(backend, fake.getsockname()[1], 4096)
+        client.read(1, 0, 4096)
+        [wc] = client.waiter.wait(1, timeout=4.0)  # the trickle would take 4.8 s (header) or 800 s (payload)
         assert wc.status is WcStatus.RETRY_EXC_ERR and wc.vendor_err == VendorErr.PEER_SILENT
     finally:
         stop.set()
