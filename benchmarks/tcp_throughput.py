@@ -22,6 +22,12 @@ both ends in the CPU's cache, and at 1 MiB that measured 1.3-1.7x faster here
 than streaming 16-256 MiB of distinct memory. That one-buffer stream is still
 measured and printed beside it ("hot"), with the ratios against both.
 
+Each row also gives the CPU time per block of both ends ("cpu us/block"): the raw
+stream's sender and receiver, and moriio_async's initiator (this process, every
+thread) and target (the target process's threads, from ``/proc/PID/task/*/schedstat``,
+nanoseconds), user and system time together, medians over the rounds. On loopback the
+sending end also pays most of the TCP work, so the raw stream is sender-bound.
+
 ``--secret`` measures the same grid twice per round, once with engines that
 share a secret (``IOEngineConfig.secret``: the hello is authenticated) and
 once without (``secret=""``), alternating for ``--rounds`` rounds, and reports
@@ -57,6 +63,23 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].upper() in UNITS else int(text)
 
 
+# -- CPU time of a whole process -----------------------------------------------------------------
+
+
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU (user and system) the live threads of process ``pid`` have used, to the
+    nanosecond (``/proc/PID/task/*/schedstat``; the clock-tick counters of ``/proc/PID/stat`` are
+    10 ms coarse, too coarse for one measurement). A thread that already ended is not counted."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended between the listing and the read
+    return total / 1e9
+
+
 # -- raw socket baseline -------------------------------------------------------------------------
 
 
@@ -64,18 +87,20 @@ def _raw_sink(port: int, total: int, block: int, footprint: int) -> None:
     with socket.create_connection(("127.0.0.1", port)) as s:
         buf = memoryview(bytearray(footprint))
         got = at = 0
+        cpu = time.process_time()
         while got < total:
             n = s.recv_into(buf[at : at + block])
             if not n:
                 break
             got += n
             at = (at + n) % footprint
-        s.sendall(b"k")
+        s.sendall(f"{time.process_time() - cpu:.9f}".encode())
 
 
-def raw_stream(total: int, block: int, footprint: int | None = None) -> float:
+def raw_stream(total: int, block: int, footprint: int | None = None) -> tuple[float, float, float]:
     """GB/s of one sendall/recv_into stream of ``total`` bytes in ``block``-sized sends, each end
-    cycling through ``footprint`` bytes of its own memory (default: one block, sent over and over)."""
+    cycling through ``footprint`` bytes of its own memory (default: one block, sent over and over),
+    and the sender's and the receiver's CPU seconds."""
     footprint = max(block, (footprint or block) // block * block)
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
@@ -85,15 +110,17 @@ def raw_stream(total: int, block: int, footprint: int | None = None) -> float:
         with conn:
             source = memoryview(os.urandom(footprint))
             start = time.perf_counter()
+            cpu = time.process_time()  # this process's engine threads are idle meanwhile
             sent = at = 0
             while sent < total:
                 conn.sendall(source[at : at + block])
                 sent += block
                 at = (at + block) % footprint
-            conn.recv(1)
+            sender_cpu = time.process_time() - cpu
+            receiver_cpu = float(conn.recv(64))
             elapsed = time.perf_counter() - start
         proc.join()
-    return total / elapsed / 1e9
+    return total / elapsed / 1e9, sender_cpu, receiver_cpu
 
 
 def touched(region: int, block: int, batch: int, total: int) -> int:
@@ -174,14 +201,23 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                     raws: list[float] = []
                     hots: list[float] = []
                     got: dict[str, list[float]] = {"read": [], "write": []}
+                    cpu: dict[str, list[float]] = collections.defaultdict(list)  # us per block, per end
+                    blocks = total // block
                     for _ in range(args.rounds):
-                        raws.append(raw_stream(total, block, footprint))
-                        hots.append(raw_stream(total, block))
+                        gbps, sender, receiver = raw_stream(total, block, footprint)
+                        raws.append(gbps)
+                        cpu["raw_sender"].append(sender / blocks * 1e6)
+                        cpu["raw_receiver"].append(receiver / blocks * 1e6)
+                        hots.append(raw_stream(total, block)[0])
                         for op in ("read", "write"):
+                            mine, theirs = time.process_time(), process_cpu(proc.pid)
                             got[op].append(await windowed(session, op, block, depth, total, region, args.batch))
+                            cpu[f"{op}_initiator"].append((time.process_time() - mine) / blocks * 1e6)
+                            cpu[f"{op}_target"].append((process_cpu(proc.pid) - theirs) / blocks * 1e6)
                     row: dict[str, Any] = {"block": block, "batch": args.batch, "in_flight": depth,
                                            "raw_footprint": footprint, "raw_GBps": round(statistics.median(raws), 3),
                                            "raw_hot_GBps": round(statistics.median(hots), 3)}  # fmt: skip
+                    row["cpu_us_per_block"] = {end: round(statistics.median(us), 1) for end, us in cpu.items()}
                     for op in ("read", "write"):
                         row[f"{op}_GBps"] = round(statistics.median(got[op]), 3)
                         for key, base in (("raw", raws), ("raw_hot", hots)):
@@ -196,6 +232,15 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                         f"{block >> 10:>6} KiB x {args.batch:<4} in flight {depth:>3}  "
                         f"raw {row['raw_GBps']:5.2f} (hot {row['raw_hot_GBps']:5.2f})  {ops}  GB/s"
                         + (f"  (medians of {args.rounds} rounds)" if args.rounds > 1 else ""),
+                        flush=True,
+                    )
+                    us = row["cpu_us_per_block"]
+                    print(
+                        f"{'':>27}cpu us/block: raw send {us['raw_sender']:.0f} recv {us['raw_receiver']:.0f}  "
+                        + "  ".join(
+                            f"{op} initiator {us[f'{op}_initiator']:.0f} target {us[f'{op}_target']:.0f}"
+                            for op in ("read", "write")
+                        ),
                         flush=True,
                     )
             await engine.notify("bench-target", b"done")
