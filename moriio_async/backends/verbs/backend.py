@@ -238,7 +238,7 @@ class VerbsBackend(Backend):
         elif kind in _QP_EVENTS:
             # pyverbs does not say which pair: look for the ones the device moved to an error state.
             for qp in qps:
-                state = qp._hw_state()
+                state = qp.hw_state()
                 if state in (QPS_ERR, QPS_SQE, None):
                     log.warning("verbs: %s: QP %d is in error; its requests flush", name, qp.qp_num)
                     if state == QPS_SQE:

@@ -207,7 +207,7 @@ class VerbsQueuePair(QueuePair):
         if error is None and bad is None:
             return
         if error is not None:
-            in_error = self._hw_state() in (QPS_ERR, QPS_SQE, None)
+            in_error = self.hw_state() in (QPS_ERR, QPS_SQE, None)
             status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
             log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qp_num, taken, n, error,
                         status.name)  # fmt: skip
@@ -285,7 +285,8 @@ class VerbsQueuePair(QueuePair):
                 if self.ledger.held:
                     self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
 
-    def _hw_state(self) -> int | None:
+    def hw_state(self) -> int | None:
+        """The state the device reports for this pair (QPS_*), or None once closed or unreadable."""
         with self.lock:
             if self.closed:
                 return None
