@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import pytest
 
@@ -288,3 +288,59 @@ async def test_fallback_polling_goes_on_while_a_transfer_is_outstanding() -> Non
             break
     assert log == [("a", 1), ("a", "resume")]
     router.close()
+
+
+class Timer:
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualTimers:
+    """The parts of an event loop a reader uses, without one: its timers fire when the test says."""
+
+    def __init__(self) -> None:
+        self.timers: list[Timer] = []
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        self.timers.append(Timer(callback))
+        return cast(asyncio.TimerHandle, self.timers[-1])
+
+    def live(self) -> int:
+        return sum(not t.cancelled for t in self.timers)
+
+    def fire(self) -> None:
+        live = [t for t in self.timers if not t.cancelled]
+        self.timers.clear()
+        for t in live:
+            t.callback()
+
+
+async def test_fallback_polling_stops_once_no_transfer_is_outstanding() -> None:
+    """The readers ask the router whether anything is in flight: polling goes on while a transfer is
+    outstanding and stops once the last one ended (a kick starts it again)."""
+    timers = ManualTimers()
+    cq = FakeCQ()  # no channel fd: the readers poll on the loop's timer
+    router = CompletionRouter(cast(asyncio.AbstractEventLoop, timers), cq)
+    log: list[Any] = []
+    router.attach(FakeChannel(3, log, "a"))  # type: ignore[arg-type]
+    router.start()
+    t = transfer(asyncio.get_running_loop())
+    router.track(t, Pin())
+    router.kick()
+    assert timers.live() == 1
+    for _ in range(3):  # nothing found, a transfer is outstanding: the next poll is coming
+        timers.fire()
+        assert timers.live() == 1
+    t.fail(StatusCode.ERR_BAD_STATE, "x")
+    cq.queue = [wc(1, 3)]
+    timers.fire()  # this poll finds the completion; nothing is outstanding now: no next poll
+    assert (timers.live(), log) == (0, [("a", 1), ("a", "resume")])
+    assert router.statistics().reader.wakeups == 4
+    router.kick()
+    assert timers.live() == 1
+    router.close()
+    assert timers.live() == 0

@@ -276,6 +276,19 @@ async def test_the_only_done_callback_runs_and_can_be_removed() -> None:
     assert log == ["only"]
 
 
+async def test_attached_counts_every_done_callback_and_one_list_for_the_later_ones() -> None:
+    t = make()
+    assert t.attached() == (0, 0, 0, 0)
+    callbacks = [lambda _t: None for _ in range(3)]
+    for n, fn in enumerate(callbacks, 1):
+        t.add_done_callback(fn)
+        assert t.attached() == (0, 0, n, 0 if n == 1 else 1)  # the first takes the slot, the others one list
+    t.remove_done_callback(callbacks[0])
+    assert t.attached() == (0, 0, 2, 1)
+    t.fail(StatusCode.ERR_BAD_STATE, "x")
+    assert t.attached() == (0, 0, 0, 0)  # an ended transfer holds nothing for others
+
+
 async def test_removing_a_later_callback_keeps_the_first() -> None:
     log: list[str] = []
     t = make()
