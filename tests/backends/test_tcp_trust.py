@@ -234,9 +234,12 @@ def test_a_trickled_chunk_is_cut_at_its_deadline(part: str) -> None:
         else:
             sock.sendall(head + b"\1" * 100)
             data = b"\2" * 100
-        sender = threading.Thread(target=dw.trickle, args=(sock, data, 0.1))
+        # A byte every 0.2 s: without a total deadline the header alone takes 9.6 s to arrive (the
+        # payload's 100 bytes 20 s), so the 8 s window tells a cut (about 2 s) from none even on a
+        # machine slowed several-fold, as under mutation testing's tracing.
+        sender = threading.Thread(target=dw.trickle, args=(sock, data, 0.2))
         sender.start()
-        assert dw.closed_within(sock, 4.0), "every byte came within the silence timeout; the total did not"
+        assert dw.closed_within(sock, 8.0), "every byte came within the silence timeout; the total did not"
         sender.join()
         sock.close()
         assert t.counters["slow_messages"] == 1
