@@ -79,6 +79,13 @@ def hello(**engine: object) -> bytes:
     return json.dumps({"op": "hello", "id": 1, "engine": fields}).encode()
 
 
+def printable(raw: bytes) -> str:
+    """A test id for a body: ASCII as it is, any other byte "?". A bytes id is escaped again each time pytest
+    collects the module in one process: mutmut's clean run, after its stats run in the same process, asked for
+    the 0xff case with its backslash doubled, found no such test, and stopped (pytest's exit code 4)."""
+    return "".join(chr(b) if 32 <= b < 127 else "?" for b in raw)
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [
@@ -108,7 +115,7 @@ def hello(**engine: object) -> bytes:
         (b'{"op": "notify", "data": ' + b"[" * 100_000, "Expected `bytes`"),
         (b'{"op": "memory", "id": 1, "x": ' + b"{" * 100_000, "nested too deeply|not a JSON message"),
     ],
-    ids=lambda v: v[:40] if isinstance(v, bytes) else "",
+    ids=lambda v: printable(v[:40]) if isinstance(v, bytes) else "",
 )
 def test_anything_else_is_a_frame_error(body: bytes, says: str) -> None:
     with pytest.raises(FrameError, match=says):

@@ -122,7 +122,7 @@ async def test_start_twice_is_an_error_and_close_stops_accepting() -> None:
     accepted = Accepted()
     listener = Listener(accepted)
     port = await listener.start("127.0.0.1", 0)
-    with pytest.raises(RuntimeError, match="already started"):
+    with pytest.raises(RuntimeError, match=r"^this listener was already started$"):
         await listener.start("127.0.0.1", 0)
     assert listener.loopback_only
     assert listener.closed is False
@@ -132,6 +132,12 @@ async def test_start_twice_is_an_error_and_close_stops_accepting() -> None:
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection("127.0.0.1", port)
     assert accepted.streams == []
+
+
+async def test_a_listener_never_started_closes_quietly() -> None:
+    listener = Listener(Accepted())
+    await listener.close()
+    assert listener.closed and listener.port == 0
 
 
 async def test_a_connection_accepted_as_the_listener_closes_is_closed_not_handed_over() -> None:
