@@ -6,6 +6,7 @@ backend or hook writing one would change the keys of every later job of the sess
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -49,15 +50,18 @@ async def test_single_jobs_of_one_session_share_their_key_arrays(opcode: Opcode)
 
 @pytest.mark.parametrize("cached", [False, True])
 async def test_a_single_jobs_shared_columns_are_read_only(cached: bool) -> None:
+    # Keys no other process used: a process forked from one that ran this test before (mutmut's
+    # workers are) must still make its own key arrays, not find the parent's in the cache.
+    rkey, lkey = 2 * os.getpid() + cached, 2**31 + os.getpid()
     if cached:
-        batch(40011, 40012)
-    b = batch(40011, 40012)
+        batch(rkey, lkey)
+    b = batch(rkey, lkey)
     for column in (b.rkey, b.sge_lkey, b.opcode, b.sge_start):
         with pytest.raises(ValueError, match="read-only"):
             column[0] = 3
-    assert (int(b.rkey[0]), int(b.sge_lkey[0]), int(b.opcode[0])) == (40011, 40012, int(Opcode.RDMA_WRITE))
-    again = batch(40011, 40012)
-    assert (int(again.rkey[0]), int(again.sge_lkey[0])) == (40011, 40012)
+    assert (int(b.rkey[0]), int(b.sge_lkey[0]), int(b.opcode[0])) == (rkey, lkey, int(Opcode.RDMA_WRITE))
+    again = batch(rkey, lkey)
+    assert (int(again.rkey[0]), int(again.sge_lkey[0])) == (rkey, lkey)
 
 
 async def test_a_fresh_channel_has_posted_nothing() -> None:
