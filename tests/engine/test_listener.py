@@ -38,13 +38,21 @@ class Accepted:
             writer.close()
 
 
-async def test_admit_is_asked_with_the_connections_not_yet_handed_over() -> None:
-    asked: list[tuple[str, int, int]] = []
+class Admitted:
+    """``admit``: records each question (host, connections from it, connections pending) and lets
+    every connection in."""
 
-    def admit(host: str, from_host: int, pending: int) -> str | None:
-        asked.append((host, from_host, pending))
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, int, int]] = []
+
+    def __call__(self, host: str, from_host: int, pending: int) -> str | None:
+        self.asked.append((host, from_host, pending))
         return None
 
+
+async def test_admit_is_asked_with_the_connections_not_yet_handed_over() -> None:
+    admit = Admitted()
+    asked = admit.asked
     accepted = Accepted()
     listener = Listener(accepted, admit=admit)
     port = await listener.start("127.0.0.1", 0)

@@ -13,7 +13,7 @@ import pytest
 
 from moriio_async.aio.listener import Listener
 
-from .test_listener import Accepted
+from .test_listener import Accepted, Admitted
 
 
 async def test_a_connection_whose_streams_fail_is_closed_logged_and_no_longer_pending(
@@ -28,12 +28,8 @@ async def test_a_connection_whose_streams_fail_is_closed_logged_and_no_longer_pe
             raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
         return await real(**kwargs)
 
-    asked: list[tuple[str, int, int]] = []
-
-    def admit(host: str, from_host: int, pending: int) -> str | None:
-        asked.append((host, from_host, pending))
-        return None
-
+    admit = Admitted()
+    asked = admit.asked
     accepted = Accepted()
     listener = Listener(accepted, admit=admit)
     port = await listener.start("127.0.0.1", 0)
@@ -83,12 +79,8 @@ async def test_a_host_is_pending_while_any_of_its_connections_is_being_wrapped(m
             await gate.wait()
         return await real(**kwargs)
 
-    asked: list[tuple[str, int, int]] = []
-
-    def admit(host: str, from_host: int, pending: int) -> str | None:
-        asked.append((host, from_host, pending))
-        return None
-
+    admit = Admitted()
+    asked = admit.asked
     accepted = Accepted()
     listener = Listener(accepted, admit=admit)
     port = await listener.start("127.0.0.1", 0)
