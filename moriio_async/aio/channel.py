@@ -21,7 +21,7 @@ from ..status import Opcode, StatusCode, WcStatus
 from ..work import WorkBatch, WorkCompletion
 from .transfer import Transfer
 
-__all__ = ["ChannelState", "Job", "QpChannel"]
+__all__ = ["ChannelState", "Job", "QpChannel", "cached_key_pairs"]
 
 
 def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -47,6 +47,11 @@ def _keys(rkey: int, lkey: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.
     both = _frozen(np.array((rkey, lkey), dtype=np.uint32))
     keys = _KEYS[rkey, lkey] = (both[0:1], both[1:2])
     return keys
+
+
+def cached_key_pairs() -> int:
+    """How many (rkey, lkey) pairs single-request jobs hold as arrays now (at most 1024; inspection)."""
+    return len(_KEYS)
 
 
 class Job:
