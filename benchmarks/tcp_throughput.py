@@ -13,7 +13,10 @@ blocks that do not merge (the shape of a KV-cache transfer). The raw
 baseline moves the same bytes with ``sendall``/``recv_into`` between two
 processes over loopback with the same block size: the ceiling a TCP-carried
 one-sided transfer can reach on this machine. Both run in one invocation so
-their ratio is meaningful; absolute figures depend on the machine.
+their ratio is meaningful; absolute figures depend on the machine. Each
+measurement moves ``--total`` bytes (256M by default): at 1 MiB blocks that is
+about 50 ms here, and the same cell then moves by 0.1-0.2 from one run to the
+next; give ``--total 2G`` or more when a ratio is to be judged to 10%.
 
 The raw stream cycles through as much memory on each end as the transfers
 touch (the region for single-block transfers, the batch's blocks with
