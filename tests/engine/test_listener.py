@@ -146,6 +146,25 @@ def listening_fds(port: int) -> list[int]:
     return fds
 
 
+def still_watched(fds: list[int]) -> list[int]:
+    """Which of these closed fds the running loop still watches (and no longer does: the watch is removed).
+
+    A socket opened next takes the same number, and a watch left on it breaks that socket's own
+    add_reader/add_writer (FileNotFoundError on asyncio; on uvloop, libuv aborts the process). Both loops
+    refuse to watch a closed fd (EBADF) unless they still watch it."""
+    loop = asyncio.get_running_loop()
+    watched = []
+    for fd in fds:
+        try:
+            loop.add_reader(fd, lambda: None)
+        except OSError as exc:
+            assert exc.errno == errno.EBADF
+            continue
+        loop.remove_reader(fd)
+        watched.append(fd)
+    return watched
+
+
 async def test_start_twice_is_an_error_and_close_stops_accepting() -> None:
     accepted = Accepted()
     listener = Listener(accepted)
@@ -157,20 +176,7 @@ async def test_start_twice_is_an_error_and_close_stops_accepting() -> None:
     fds = listening_fds(port)
     assert fds
     await listener.close()
-    # The loop no longer watches the fds the listener closed: a socket opened next takes the same number, and a
-    # watch left on it breaks that socket's own add_reader/add_writer (FileNotFoundError on asyncio; on uvloop,
-    # libuv aborts the process). Both loops refuse to watch a closed fd (EBADF) unless they still watch it.
-    loop = asyncio.get_running_loop()
-    still_watched = []
-    for fd in fds:
-        try:
-            loop.add_reader(fd, lambda: None)
-        except OSError as exc:
-            assert exc.errno == errno.EBADF
-            continue
-        loop.remove_reader(fd)
-        still_watched.append(fd)
-    assert still_watched == []
+    assert still_watched(fds) == []
     await listener.close()
     assert listener.closed and listener.port == 0 and not listener.loopback_only
     with pytest.raises(ConnectionRefusedError):
