@@ -21,6 +21,7 @@ from moriio_async import ControlPlaneError, IOEngine, IOEngineConfig, PeerError,
 from moriio_async.aio.listener import Listener
 
 from .conftest import Pair, make_pair
+from .test_listener import listening_fds, still_watched
 from .wire import close, closed_by_peer, engine_fields, frame, hello, open_raw, read_message, until
 
 
@@ -329,11 +330,13 @@ async def trickle(writer: asyncio.StreamWriter, data: bytes) -> None:
 
 async def test_the_listener_knows_whether_it_is_reachable_beyond_this_host() -> None:
     refuse_all = Listener(lambda r, w: None, admit=lambda host, pending_host, pending: "not in this test")
-    await refuse_all.start("0.0.0.0", 0)
+    port = await refuse_all.start("0.0.0.0", 0)
+    fds = listening_fds(port)
     try:
         assert not refuse_all.loopback_only
     finally:
         await refuse_all.close()
+    assert still_watched(fds) == []  # the next listener's socket takes the same fd
     local = Listener(lambda r, w: None)
     await local.start("127.0.0.1", 0)
     try:
