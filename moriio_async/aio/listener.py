@@ -121,7 +121,12 @@ class Listener:
             except OSError:  # the client left at once
                 conn.close()
                 continue
-            refusal = self._admit(host, self._pending[host], self._pending.total()) if self._admit else None
+            try:
+                refusal = self._admit(host, self._pending[host], self._pending.total()) if self._admit else None
+            except Exception:  # the owner's bug: this connection is closed, the next ones are still asked
+                conn.close()
+                log.exception("control listener: admit failed for a connection from %s; closed it", host)
+                continue
             if refusal is not None:
                 _refuse(conn, refusal)
                 continue

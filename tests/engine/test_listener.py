@@ -91,6 +91,40 @@ async def test_a_refused_client_hears_why_and_is_closed() -> None:
         await listener.close()
 
 
+async def test_an_admit_that_raises_closes_that_connection_and_asks_again_for_the_next(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    accepted = Accepted()
+    asked: list[str] = []
+
+    def admit(host: str, from_host: int, pending: int) -> str | None:
+        asked.append(host)
+        if len(asked) == 1:
+            raise RuntimeError("admit bug")
+        return None
+
+    listener = Listener(accepted, admit=admit)
+    port = await listener.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed at once, not left open
+        errors = [r for r in caplog.records if r.name == "moriio_async" and r.levelno == logging.ERROR]
+        assert [r.getMessage() for r in errors] == [
+            "control listener: admit failed for a connection from 127.0.0.1; closed it"
+        ]
+        assert errors[0].exc_info is not None and str(errors[0].exc_info[1]) == "admit bug"
+        client = socket.create_connection(("127.0.0.1", port))
+        try:
+            await accepted.count(1)
+            assert asked == ["127.0.0.1", "127.0.0.1"]
+        finally:
+            client.close()
+    finally:
+        writer.close()
+        accepted.close()
+        await listener.close()
+
+
 async def test_every_address_of_the_host_listens_on_the_one_port() -> None:
     """An empty host is every address, IPv4 and IPv6 (each family its own socket, the IPv6 one v6-only):
     with port 0 the second family takes the port the first one got."""
