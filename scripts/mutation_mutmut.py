@@ -13,7 +13,8 @@ stats run's ``getaddrinfo`` calls). A forked child has none of those threads, on
 ``pytest.main`` raises when a warning that ``filterwarnings = ["error"]`` turns into an exception is
 raised outside any test: an object with a ``__del__`` warning (an unclosed socket's ResourceWarning)
 collected only at pytest's cleanup, after the last test, is raised there as
-``PytestUnraisableExceptionWarning`` (``PytestUnhandledThreadExceptionWarning`` for a thread's). A
+``PytestUnraisableExceptionWarning`` (``PytestUnhandledThreadExceptionWarning`` for a thread's; an
+``ExceptionGroup`` of them when there are several). A
 mutant that leaks a socket in a reference cycle (``_accept`` raising with an accepted socket in hand,
 the test then failing with ``-x``) does exactly that. ``python3 -m pytest`` exits 1 for it, as it does
 for a failed test: the same exit code is returned here, so mutmut books what the command line says.
@@ -46,15 +47,23 @@ WARNINGS_AS_ERRORS = (pytest.PytestUnraisableExceptionWarning, pytest.PytestUnha
 _run_tests = harness.PytestRunner.run_tests
 
 
+def only_warnings_as_errors(exc: BaseException) -> bool:
+    """``exc`` is one of those warnings, or a group of them only (pytest raises a group for two or more)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(only_warnings_as_errors(inner) for inner in exc.exceptions)
+    return isinstance(exc, WARNINGS_AS_ERRORS)
+
+
 def run_tests(self: harness.PytestRunner, *, mutant_name: str | None, tests: Iterable[str]) -> int:
     if mutant_name is None:
         return _run_tests(self, mutant_name=mutant_name, tests=tests)
     try:
         return _run_tests(self, mutant_name=mutant_name, tests=tests)
-    except WARNINGS_AS_ERRORS as exc:
-        os.write(2, f"mutation: {mutant_name}: pytest ended with {type(exc).__name__}: exit code {FAILED}\n".encode())
-        return FAILED
-    except Exception:
+    except Exception as exc:
+        if only_warnings_as_errors(exc):
+            line = f"mutation: {mutant_name}: pytest ended with {type(exc).__name__}: exit code {FAILED}\n"
+            os.write(2, line.encode())
+            return FAILED
         os.write(2, f"mutation: {mutant_name}: pytest raised (suspicious):\n{traceback.format_exc()}".encode())
         return SUSPICIOUS
 
