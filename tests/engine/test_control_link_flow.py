@@ -261,3 +261,15 @@ async def test_a_notice_handler_that_fails_ends_the_link_and_wait_closed_still_r
             await asyncio.sleep(0.005)
         assert server.closed == [ends.server]
         await asyncio.wait_for(ends.server.wait_closed(), 5)  # the reader's error is not raised here
+
+
+async def test_notices_posted_soon_before_the_stream_closes_are_dropped_quietly() -> None:
+    async with linked(Handler(), start=False) as ends:  # no reader: only the test closes the client link
+        assert ends.client.post_soon(Notify(data=b"x"))
+        assert ends.client.backlog == len(encode(Notify(data=b"x")))
+        ends.writer.close()  # the stream under the link closes before the burst is written
+        await asyncio.sleep(0)  # the burst's write runs, finds the stream closing, and drops it
+        await asyncio.sleep(0)
+        assert not ends.client.closed
+        assert ends.client.backlog == 0
+        assert not ends.client.post_soon(Notify(data=b"y"))
