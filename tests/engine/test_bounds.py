@@ -21,7 +21,7 @@ from moriio_async import ControlPlaneError, IOEngine, IOEngineConfig, PeerError,
 from moriio_async.aio.listener import Listener
 
 from .conftest import Pair, make_pair
-from .test_listener import listening_fds, still_watched
+from .watch import listening_fds, still_watched
 from .wire import close, closed_by_peer, engine_fields, frame, hello, open_raw, read_message, until
 
 

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("MORIIO_GUEST") == "1", reason="h
 BLOCK = "import sys; sys.modules['pyverbs'] = None\n"
 
 
-def _python(code: str) -> subprocess.CompletedProcess[str]:
+def _python(code: str, prelude: str = BLOCK) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", BLOCK + textwrap.dedent(code)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=60
     )
 
 
@@ -84,23 +84,21 @@ for name, attrs in {"addr": {}, "cq": {"CompChannel": CompChannel}, "device": {"
 
 
 def test_no_device_message_says_how_to_load_soft_roce() -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(NO_DEVICE_PYVERBS) + textwrap.dedent(
-            """
-            from moriio_async.backends import open_backend
-            from moriio_async.backends.base import BackendOptions
-            from moriio_async.backends.verbs import probe
-            from moriio_async.errors import BackendUnavailable
-            try:
-                open_backend("verbs", BackendOptions())
-            except BackendUnavailable as exc:
-                print("open:", exc)
-            report = probe()
-            print("probe:", report.devices, report.error, report.hint, sep="|")
-            """
-        )],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    result = _python(
+        """
+        from moriio_async.backends import open_backend
+        from moriio_async.backends.base import BackendOptions
+        from moriio_async.backends.verbs import probe
+        from moriio_async.errors import BackendUnavailable
+        try:
+            open_backend("verbs", BackendOptions())
+        except BackendUnavailable as exc:
+            print("open:", exc)
+        report = probe()
+        print("probe:", report.devices, report.error, report.hint, sep="|")
+        """,
+        prelude=textwrap.dedent(NO_DEVICE_PYVERBS),
+    )
     assert result.returncode == 0, result.stderr
     opened, probed = result.stdout.splitlines()
     assert opened.startswith("open: no RDMA devices found")
