@@ -83,8 +83,10 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
                 if not _read_chunk(st, sock, head, header, header_at, scratch, held):
                     return
                 continue
-            # What already arrived is taken keeping the GIL; only an empty socket is waited on.
-            got = held.recv(fd, [(at, n * _SIZE)])
+            # What already arrived is taken keeping the GIL, unless a write to the socket is under
+            # way (pairstate.py: the call would wait for it with the GIL held); only an empty
+            # socket, or a busy one, is waited on with the GIL released.
+            got = -1 if st.writing() else held.recv(fd, [(at, n * _SIZE)])
             if got <= 0:
                 got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
             if got % _SIZE:
@@ -214,6 +216,7 @@ def _read_chunk(
                         blocks is not None
                         and len(blocks) <= HeldIo.MAX_BLOCKS
                         and _payload(head, head.lo, head.hi) <= HELD_BYTES
+                        and not st.writing()
                     ):
                         # What already arrived is taken keeping the GIL; only an empty socket is waited on.
                         got = held.recv(fd, [(header_at, _SIZE), *blocks])
