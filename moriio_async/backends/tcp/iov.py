@@ -180,7 +180,9 @@ class HeldIo:
     in ``bytes`` is copied beside them, so a call makes no Python object. A
     call returns what moved, or -1 when nothing could (a full or empty socket
     buffer, or a signal): the caller's blocking path, which releases the GIL,
-    takes over from there.
+    takes over from there. MSG_DONTWAIT does not keep a call from sleeping for
+    the socket's own lock, which another thread's blocking call may hold for a
+    millisecond: callers use one only when none can be (``pairstate.py``).
     """
 
     MAX_BLOCKS: Final = 8
