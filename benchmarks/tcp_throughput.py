@@ -4,12 +4,16 @@
     python benchmarks/tcp_throughput.py --blocks 1M --depths 16 --json out.json
     python benchmarks/tcp_throughput.py --secret --blocks 1M --depths 16   # with and without a shared secret
     python benchmarks/tcp_throughput.py --blocks 64K --batch 128 --depths 2 --rounds 5   # KV-shaped batches
+    python benchmarks/tcp_throughput.py --blocks 1M --depths 16 --mixed --total 2G   # also READs and WRITEs mixed
 
 For each block size and each number of transfers in flight, the initiator
 issues single-block ``read``s (then ``write``s) against a target process's
-registered buffer, keeping that many outstanding, and reports GB/s; with
-``--batch N`` each transfer is a ``batch_read``/``batch_write`` of N shuffled
-blocks that do not merge (the shape of a KV-cache transfer). The raw
+registered buffer, keeping that many outstanding, and reports GB/s (with
+``--mixed``, also READs and WRITEs alternating on the same pair: both
+directions of its one connection busy at once, all bytes counted, its ratio
+against the same one-way raw stream); with ``--batch N`` each
+transfer is a ``batch_read``/``batch_write`` of N shuffled blocks that do
+not merge (the shape of a KV-cache transfer). The raw
 baseline moves the same bytes with ``sendall``/``recv_into`` between two
 processes over loopback with the same block size: the ceiling a TCP-carried
 one-sided transfer can reach on this machine. Both run in one invocation so
@@ -148,7 +152,8 @@ def _target(size: int, backend: str, pipe: Any, secret: str | None = None) -> No
 
 
 async def windowed(session: Session, op: str, block: int, depth: int, total: int, region: int, batch: int = 1) -> float:
-    """GB/s of ``total`` bytes moved in transfers of ``batch`` blocks, ``depth`` of them in flight.
+    """GB/s of ``total`` bytes moved in transfers of ``batch`` blocks, ``depth`` of them in flight
+    (``op``: "read", "write", or "mixed": the two alternating).
 
     A batch's blocks are shuffled, with a block-sized gap after each, so that nothing merges:
     ``batch`` blocks are ``batch`` work requests, the shape of a KV-cache transfer."""
@@ -158,27 +163,36 @@ async def windowed(session: Session, op: str, block: int, depth: int, total: int
     moved = total if batch == 1 else batches * block * batch
     start = time.perf_counter()
     if batch == 1:
-        call = session.read if op == "read" else session.write
+        calls = _pick(op, session.read, session.write)
         for i in range(total // block):
             off = (i % slots) * block
-            window.append(call(off, off, block))
+            window.append(calls[i % 2](off, off, block))
             if len(window) >= depth:
                 await window.popleft()
     else:
-        many = session.batch_read if op == "read" else session.batch_write
+        many = _pick(op, session.batch_read, session.batch_write)
         if 2 * batch > slots:
             raise SystemExit(f"--batch {batch} of {block} B blocks with gaps needs more than the {region} B region")
         rng = np.random.default_rng(7)
         offsets = [int(o) * 2 * block for o in rng.permutation(batch)]
         others = [int(o) * 2 * block for o in rng.permutation(batch)]
         sizes = [block] * batch
-        for _ in range(batches):
-            window.append(many(offsets, others, sizes))
+        for i in range(batches):
+            window.append(many[i % 2](offsets, others, sizes))
             if len(window) >= depth:
                 await window.popleft()
     while window:
         await window.popleft()
     return moved / (time.perf_counter() - start) / 1e9
+
+
+def _pick(op: str, read: Any, write: Any) -> tuple[Any, Any]:
+    """The call for even and for odd transfers."""
+    return (read, read) if op == "read" else (write, write) if op == "write" else (write, read)
+
+
+def operations(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("read", "write", "mixed") if args.mixed else ("read", "write")
 
 
 async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -203,7 +217,7 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                     footprint = touched(region, block, args.batch, total)
                     raws: list[float] = []
                     hots: list[float] = []
-                    got: dict[str, list[float]] = {"read": [], "write": []}
+                    got: dict[str, list[float]] = {op: [] for op in operations(args)}
                     cpu: dict[str, list[float]] = collections.defaultdict(list)  # us per block, per end
                     blocks = total // block
                     for _ in range(args.rounds):
@@ -212,7 +226,7 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                         cpu["raw_sender"].append(sender / blocks * 1e6)
                         cpu["raw_receiver"].append(receiver / blocks * 1e6)
                         hots.append(raw_stream(total, block)[0])
-                        for op in ("read", "write"):
+                        for op in operations(args):
                             mine, theirs = time.process_time(), process_cpu(proc.pid)
                             got[op].append(await windowed(session, op, block, depth, total, region, args.batch))
                             cpu[f"{op}_initiator"].append((time.process_time() - mine) / blocks * 1e6)
@@ -221,7 +235,7 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                                            "raw_footprint": footprint, "raw_GBps": round(statistics.median(raws), 3),
                                            "raw_hot_GBps": round(statistics.median(hots), 3)}  # fmt: skip
                     row["cpu_us_per_block"] = {end: round(statistics.median(us), 1) for end, us in cpu.items()}
-                    for op in ("read", "write"):
+                    for op in operations(args):
                         row[f"{op}_GBps"] = round(statistics.median(got[op]), 3)
                         for key, base in (("raw", raws), ("raw_hot", hots)):
                             ratios = [g / r for g, r in zip(got[op], base, strict=True)]
@@ -229,7 +243,7 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                     rows.append(row)
                     ops = "  ".join(
                         f"{op} {row[f'{op}_GBps']:5.2f} ({row[f'{op}_vs_raw']:.0%}, hot {row[f'{op}_vs_raw_hot']:.0%})"
-                        for op in ("read", "write")
+                        for op in operations(args)
                     )
                     print(
                         f"{block >> 10:>6} KiB x {args.batch:<4} in flight {depth:>3}  "
@@ -242,7 +256,7 @@ async def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                         f"{'':>27}cpu us/block: raw send {us['raw_sender']:.0f} recv {us['raw_receiver']:.0f}  "
                         + "  ".join(
                             f"{op} initiator {us[f'{op}_initiator']:.0f} target {us[f'{op}_target']:.0f}"
-                            for op in ("read", "write")
+                            for op in operations(args)
                         ),
                         flush=True,
                     )
@@ -285,7 +299,7 @@ async def measure_once(args: argparse.Namespace, secret: str) -> dict[tuple[int,
             for block in args.blocks:
                 total = max(args.total, block * 16 * args.batch)
                 for depth in args.depths:
-                    for op in ("read", "write"):
+                    for op in operations(args):
                         out[(block, depth, op)] = await windowed(session, op, block, depth, total, region, args.batch)
             await engine.notify("bench-target", b"done")
     finally:
@@ -343,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="alternating rounds, median of each and of the per-round ratios (default 3 with "
                              "--secret, else 1)")  # fmt: skip
+    parser.add_argument(
+        "--mixed", action="store_true", help="also measure READs and WRITEs alternating on the same pair"
+    )
     parser.add_argument("--batch", type=int, default=1,
                         help="blocks per transfer (batch_read/batch_write of shuffled blocks that do not merge; "
                              "default 1: single-block read/write)")  # fmt: skip
