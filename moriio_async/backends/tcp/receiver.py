@@ -83,10 +83,9 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
                 if not _read_chunk(st, sock, head, header, header_at, scratch, held):
                     return
                 continue
-            # What already arrived is taken keeping the GIL, unless a write to the socket is under
-            # way (pairstate.py: the call would wait for it with the GIL held); only an empty
-            # socket, or a busy one, is waited on with the GIL released.
-            got = -1 if st.writing() else held.recv(fd, [(at, n * _SIZE)])
+            # What already arrived is taken keeping the GIL; only an empty socket, or one being
+            # written, is waited on with the GIL released.
+            got = _held_recv(st, held, fd, [(at, n * _SIZE)])
             if got <= 0:
                 got = _patient(sock, functools.partial(sock.recv_into, view, n * _SIZE))
             if got % _SIZE:
@@ -100,6 +99,12 @@ def recv_loop(st: PairState, sock: socket.socket) -> None:
         except PeerGone as exc:
             st.peer_lost(exc.vendor)
             return
+
+
+def _held_recv(st: PairState, held: HeldIo, fd: int, blocks: list[tuple[int, int]]) -> int:
+    """``held.recv`` unless a write to the socket is under way (-1 then, as for an empty socket):
+    the call would wait for the writer's hold on the socket with the GIL held (pairstate.py)."""
+    return -1 if st.writing() else held.recv(fd, blocks)
 
 
 def _patient(sock: socket.socket, call: Callable[[], int]) -> int:
@@ -216,10 +221,10 @@ def _read_chunk(
                         blocks is not None
                         and len(blocks) <= HeldIo.MAX_BLOCKS
                         and _payload(head, head.lo, head.hi) <= HELD_BYTES
-                        and not st.writing()
                     ):
-                        # What already arrived is taken keeping the GIL; only an empty socket is waited on.
-                        got = held.recv(fd, [(header_at, _SIZE), *blocks])
+                        # What already arrived is taken keeping the GIL; only an empty socket, or one
+                        # being written, is waited on.
+                        got = _held_recv(st, held, fd, [(header_at, _SIZE), *blocks])
                     if got <= 0:
                         got = _patient(sock, lambda: sock.recvmsg_into(buffers, 0, _WAITALL)[0])
                 else:
