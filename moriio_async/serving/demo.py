@@ -34,6 +34,7 @@ from .config import add_model_args, add_timeout_args, model_config
 from .launcher import Child, Launcher
 from .model import Model, decode_text, encode
 from .report import KillReport, ModeReport, render_table
+from .vllm.args import add_vllm_args
 from .workload import Result, make_prompts, run_load
 
 __all__ = ["add_demo_parser", "run_demo"]
@@ -45,6 +46,12 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="start a fleet, load it, check every token",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--engine",
+        choices=["numpy", "vllm"],
+        default="numpy",
+        help="numpy: this package's own model and instances; vllm: real vLLM servers with vLLM's MoRIIO connector",
     )
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
@@ -70,6 +77,7 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--json", type=Path, default=None, help="also write the results to this file, as JSON")
     add_model_args(p)
     add_timeout_args(p)
+    add_vllm_args(p)
     p.set_defaults(transfer_timeout=5.0)
 
 
@@ -278,6 +286,10 @@ class Demo:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .vllm.demo import run_vllm_demo  # imports nothing of vLLM's: vLLM runs in its own venv
+
+        return run_vllm_demo(args)
     longest = args.max_prompt + 1 + args.max_tokens  # the BOS token, the prompt's bytes, the completion
     if not args.serve and (not 0 < args.min_prompt <= args.max_prompt or longest > args.max_model_len):
         sys.exit(

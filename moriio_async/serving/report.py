@@ -12,7 +12,7 @@ from rich.table import Table
 from .model import ModelConfig
 from .workload import Result, percentile
 
-__all__ = ["ModeReport", "render_table"]
+__all__ = ["ModeReport", "render_table", "table_of"]
 
 
 @dataclass
@@ -147,6 +147,11 @@ def render_table(reports: list[ModeReport], args: argparse.Namespace, model: Mod
         f"{args.requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}"
         + (", prefill-0 killed mid-run" if args.kill_prefill else "")
     )
+    return table_of(reports, title)
+
+
+def table_of(reports: list[ModeReport], title: str) -> Table:
+    """One column per mode, one row per figure, then the verdict."""
     table = Table(title=title, title_justify="left")
     table.add_column("")
     for r in reports:

@@ -12,7 +12,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +64,18 @@ class Result:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, index: int, timeout: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    index: int,
+    timeout: float,
+    extra: Mapping[str, Any] | None = None,
 ) -> Result:
-    """One streamed completion; never raises (the result says what went wrong)."""
+    """One streamed completion (``extra``: more body fields); never raises (the result says what went wrong)."""
     res = Result(index, started=time.perf_counter())
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    body = {**(extra or {}), "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     last = res.started
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as resp:
@@ -111,13 +118,14 @@ async def run_load(
     timeout: float,
     on_done: Callable[[Result], None] = lambda r: None,
     first_index: int = 0,
+    extra: Mapping[str, Any] | None = None,
 ) -> list[Result]:
     """Every prompt through the proxy, ``concurrency`` at a time."""
     limit = asyncio.Semaphore(concurrency)
 
     async def one(i: int, prompt: str) -> Result:
         async with limit:
-            res = await stream_completion(client, url, model, prompt, max_tokens, first_index + i, timeout)
+            res = await stream_completion(client, url, model, prompt, max_tokens, first_index + i, timeout, extra)
         on_done(res)
         return res
 

