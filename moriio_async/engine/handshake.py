@@ -5,7 +5,9 @@ fresh nonce; the listener answers ``challenge`` with its own nonce and its
 proof over the transcript (both keys, both incarnations, both nonces), and no
 memory; the dialer checks that proof, then sends its own; the listener checks
 it, and only then is the link bound to the dialer's key and ``welcome``
-sent with the exported memory. Either side that cannot verify the other
+sent with the exported memory. Every region a welcome lists must name the
+welcoming engine, at its incarnation, as its owner: the dialer refuses one
+that lists another engine's. Either side that cannot verify the other
 refuses with reason ``auth`` and closes. A secret on one side only is refused
 the same way, with a message that says so. The proofs also cover both
 ends' transports (the backends each advertises in its engine record), so a
@@ -29,6 +31,22 @@ from ..errors import AuthenticationError, ControlPlaneError
 __all__ = ["Greeting", "Handshake", "HelloRefused"]
 
 _AGREE = f"give both engines the same secret (IOEngineConfig.secret or ${SECRET_ENV}), or neither"
+
+
+def _check_regions(welcome: Welcome, link: ControlLink, error: type[ControlPlaneError]) -> None:
+    """Every region a welcome lists belongs to the engine that welcomes (key and incarnation).
+
+    A region record names its owner in its body; the dialer's sessions go to that owner. Taken on
+    trust, a listener could hand out another engine's regions as its own, and the dialer's writes
+    meant for it would land in that other engine's memory.
+    """
+    engine = welcome.engine
+    for region in welcome.memory:
+        if region.engine_key != engine.key or region.incarnation != engine.incarnation:
+            raise error(
+                f"engine {engine.key!r} at {link.peer_address} welcomed with region {region.name!r} of engine "
+                f"{region.engine_key!r} (incarnation {region.incarnation:#x}): an engine lists only its own"
+            )
 
 
 class HelloRefused(ControlPlaneError):
@@ -69,7 +87,9 @@ class Handshake:
         record = EngineRecord.of(local)
         secret = self._secret
         if secret is None:
-            return await link.request(Hello(engine=record), Welcome), None
+            welcome = await link.request(Hello(engine=record), Welcome)
+            _check_regions(welcome, link, ControlPlaneError)
+            return welcome, None
         nonce = new_nonce()
         challenge = await link.request(Hello(engine=record, auth=True, nonce=nonce), Challenge)
         listener = challenge.engine
@@ -85,6 +105,7 @@ class Handshake:
         welcome = await link.request(Proof(proof=transcript.proof(secret, "dialer")), Welcome)
         if welcome.engine != listener:
             raise AuthenticationError(f"{link.peer_address} welcomed as another engine than the one that proved")
+        _check_regions(welcome, link, AuthenticationError)
         return welcome, transcript.session_key(secret)
 
     async def answer(self, link: ControlLink, local: EngineDesc) -> Greeting | None:

@@ -5,7 +5,7 @@ may have several links (both sides dial, or it reconnects; see ``links``);
 one of them, its current link, carries this engine's own requests and
 notices. With a shared secret a key is bound only to links that proved it
 (``handshake``), so no one without the secret can take a peer's place, its
-notifications, its statuses or its pairs.
+notifications, its statuses or its pairs; every notice speaks for its link's key, never a body's.
 
 A transfer given a uid announces its end to its target with a ``done``
 notice (``post_done``, never waiting: see ``DONE_BACKLOG``); the target files
@@ -369,8 +369,11 @@ class PeerTable:
         elif isinstance(notice, Done):
             if not self._inbound.record(peer.desc.key, notice.uid, notice.code):
                 self._guard.dropped_notice(link.peer_host, link.peer_address, "Done", f"code {notice.code}")
-        else:
-            self._links.close_answering(link, notice.qp)
+        elif not self._links.close_answering(link, notice.qp):
+            # Only a pair this link's engine asked for (over any of its links) is closed: a number of
+            # another engine's pair, or of none, closes nothing.
+            why = f"pair {notice.qp:#x} is not one engine {peer.desc.key!r} asked for (or it is closed already)"
+            self._guard.dropped_notice(link.peer_host, link.peer_address, "CloseQp", why)
 
     def on_bad_frame(self, link: ControlLink, error: FrameError) -> None:
         self._guard.bad_frame(link.peer_host, link.peer_address, error)

@@ -7,6 +7,10 @@ checks every generation against greedy generation in this process (the
 reference), and prints a table. The exit status is 0 only when every
 generation is identical, no request hung and no instance leaked a block.
 
+The fleet's engines share a secret their hellos prove: ``$MORIIO_ASYNC_SECRET``
+if it is set, else one generated for the run (``--serve`` prints it, for engines
+that join the fleet); ``--no-secret`` runs them without one.
+
 ``--kill-prefill`` SIGKILLs prefill-0 while its KV is in flight, restarts it
 after ``--restart-delay`` seconds (a new incarnation on the same port), and then
 checks that it serves again. ``--serve`` leaves the proxy up for real clients.
@@ -19,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -31,13 +36,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .config import add_model_args, add_timeout_args, model_config
-from .launcher import Child, Launcher
+from .launcher import SECRET_ENV, Child, Launcher
 from .model import Model, decode_text, encode
 from .report import KillReport, ModeReport, render_table
 from .vllm.args import add_vllm_args
 from .workload import Result, make_prompts, run_load
 
-__all__ = ["add_demo_parser", "run_demo"]
+__all__ = ["add_demo_parser", "fleet_secret", "run_demo"]
 
 
 def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,6 +76,11 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--kill-prefill", action="store_true", help="SIGKILL prefill-0 mid-transfer, then restart it")
     p.add_argument("--restart-delay", type=float, default=1.0)
     p.add_argument("--serve", action="store_true", help="leave the proxy up for real clients (Ctrl-C stops)")
+    p.add_argument(
+        "--no-secret",
+        action="store_true",
+        help=f"run the engines without a shared secret (default: ${SECRET_ENV}, else one generated for the run)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="the proxy's port")
     p.add_argument("--log-dir", type=Path, default=None, help="children's logs (default: a temporary directory)")
@@ -85,7 +95,8 @@ class Demo:
     def __init__(self, args: argparse.Namespace, log_dir: Path) -> None:
         self.args = args
         self.model_config = model_config(args)
-        self.launcher = Launcher(log_dir)
+        self.secret = fleet_secret(args.no_secret)
+        self.launcher = Launcher(log_dir, self.secret)
         self.console = Console()
         self.err = Console(stderr=True)
         self.prefills: list[Child] = []
@@ -255,6 +266,13 @@ class Demo:
             f'-H \'content-type: application/json\' -d \'{{"model": "{c.name}", "prompt": "Hello", "max_tokens": 16}}\''
             "\nCtrl-C stops everything."
         )
+        if self.secret is None:
+            self.err.print("[yellow]the engines accept unauthenticated peers (--no-secret)[/]")
+        elif self.secret == os.environ.get(SECRET_ENV):
+            self.err.print(f"the engines prove the shared secret in ${SECRET_ENV}")
+        else:  # generated: an engine that joins the fleet needs it
+            join = f"the engines prove a secret generated for this run; to join: export {SECRET_ENV}={self.secret}"
+            self.err.print(join, markup=False, highlight=False, soft_wrap=True)  # one line, to copy as it is
         assert proxy.proc is not None
         await proxy.proc.wait()
         return 1  # the proxy died on its own
@@ -283,6 +301,13 @@ class Demo:
             for line in report.problems:
                 self.console.print(f"[red]{report.mode.upper()}: {line}[/]")
         return 0 if ok else 1
+
+
+def fleet_secret(off: bool) -> str | None:
+    """The fleet's shared secret: none if ``off``, else ``$MORIIO_ASYNC_SECRET``, else a fresh random one."""
+    if off:
+        return None
+    return os.environ.get(SECRET_ENV) or secrets.token_urlsafe(32)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -9,6 +9,11 @@ grace period; ``kill`` is SIGKILL at once (the failure the demo injects);
 ``restart`` starts the same command on the same port (a new engine incarnation).
 With ``--parent-watch`` a child also exits when its stdin closes, so even a
 launcher killed by SIGKILL leaves no server behind.
+
+Every child gets the fleet's shared secret in ``$MORIIO_ASYNC_SECRET`` (its
+engine's hellos then prove it), or, with none, runs without one even if the
+launcher's own environment has one. The environment, not the command line: a
+process's arguments are visible to every user of the host.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Child", "Launcher", "StartFailed"]
+__all__ = ["SECRET_ENV", "Child", "Launcher", "StartFailed"]
+
+SECRET_ENV = "MORIIO_ASYNC_SECRET"
+"""The variable every ``IOEngine`` reads its shared secret from (serving uses only the public API, which
+does not name it)."""
 
 
 class StartFailed(RuntimeError):
@@ -52,12 +61,16 @@ class Child:
 class Launcher:
     """Owns the fleet's child processes."""
 
-    def __init__(self, log_dir: Path, startup_timeout: float = 60.0) -> None:
+    def __init__(self, log_dir: Path, secret: str | None, startup_timeout: float = 60.0) -> None:
         self.log_dir, self.startup_timeout = log_dir, startup_timeout
         self.children: list[Child] = []
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             self.env[var] = "1"
+        if secret:
+            self.env[SECRET_ENV] = secret
+        else:
+            self.env.pop(SECRET_ENV, None)
 
     async def spawn(self, role: str, name: str, args: list[str], port: int = 0) -> Child:
         child = Child(role, name, list(args), self.log_dir / f"{name}.log", port)

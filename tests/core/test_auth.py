@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import hmac
+
 import pytest
 
 from moriio_async.core.auth import Transcript, load_secret, new_nonce, token_for
@@ -150,3 +152,20 @@ def test_the_secret_boundary_types_and_the_error_text(monkeypatch: pytest.Monkey
     assert load_secret(None) is None
     with pytest.raises(InvalidArgument, match="has 3 bytes"):
         load_secret(None, {"MORIIO_ASYNC_SECRET": "abc"})
+
+
+def test_verify_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25 item 2: the check goes through ``hmac.compare_digest`` (spied on; no timing measured)."""
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    t = transcript()
+    proof = t.proof(SECRET, "dialer")
+    wrong = bytes([proof[0] ^ 1]) + proof[1:]
+    assert t.verify(SECRET, "dialer", proof) and not t.verify(SECRET, "dialer", wrong)
+    assert compared == [(proof, proof), (proof, wrong)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..engine.wire import ENV_SECRET, hello
 from .fleet import MODEL, ServedFleet, reference, serve
 
 PROMPTS = ["Hello, world", "Disaggregated serving moves the KV cache", "é ü ß: UTF-8 prompts are bytes", "a" * 150]
@@ -79,6 +81,33 @@ def test_models_and_the_kv_transfer_report(fleet: ServedFleet, client: openai.Op
     # 101 tokens = 7 blocks of 16 tokens, K and V, 2 layers, 16 x 64 float32 each.
     assert kv["bytes"] == 7 * 2 * 2 * 16 * 64 * 4
     assert kv["transfer_s"] > 0 and kv["exposed_s"] >= 0
+
+
+async def test_the_engines_run_with_a_generated_secret_that_serve_prints(fleet: ServedFleet) -> None:
+    """Issue 23 item 7: by default the fleet's engines require a secret, generated for the run, and
+    ``--serve`` prints it for engines that join: a hello without it is refused, one with it welcomed."""
+    async with httpx.AsyncClient(timeout=5) as web:
+        instances = (await web.get(f"{fleet.url}/health")).json()["instances"]
+        addresses = [(await web.get(f"{i['url']}/health")).json()["engine"]["address"] for i in instances]
+    assert len(addresses) == 2
+    for address in addresses:
+        for without in (None, b"a-secret-that-is-not-the-fleets"):
+            refused = await hello(address, "intruder", secret=without, auth=without is not None)
+            await refused.close()
+            assert (refused.last["op"], refused.last.get("reason")) == ("error", "auth"), refused.replies
+    printed = (fleet.log_dir.parent / f"serve-{fleet.mode}.err").read_text()
+    if ENV_SECRET is not None:  # the suite runs authenticated: the fleet uses the same secret
+        assert "the engines prove the shared secret in $MORIIO_ASYNC_SECRET" in printed, printed
+        secret = ENV_SECRET
+    else:
+        found = re.search(r"to join: export MORIIO_ASYNC_SECRET=(\S+)", printed)
+        assert found is not None, printed
+        secret = found.group(1).encode()
+        assert len(secret) >= 32
+    for address in addresses:
+        welcomed = await hello(address, "joining", secret=secret)
+        await welcomed.close()
+        assert welcomed.welcomed, welcomed.replies
 
 
 def test_bad_requests(fleet: ServedFleet, client: openai.OpenAI) -> None:
