@@ -144,3 +144,16 @@ def test_a_region_exported_for_writing_in_a_sealed_allocation_is_written_by_cros
     assert all(wc.ok for wc in pair.run(wrs))
     assert np.array_equal(shared, pair.a.buf)
     assert alloc_of(whole) in link_of(pair).read_only
+
+
+def test_an_allocation_whose_regions_are_not_exported_is_not_handed_to_a_peer(pairs: PairFactory) -> None:
+    """What decides is the export (the table), not the access a region was registered with."""
+    pair = pairs(1 << 20, 1 << 20)
+    target = cma(pair.b.backend)
+    hidden = target.allocate_memory(1 << 20, Access.all())  # registered for remote access, never exported
+    pair.b.regions.append(hidden)
+    with hostile_peer(target) as proc:
+        tell(proc, {"alloc": alloc_of(hidden)})
+        got = line(proc)
+        tell(proc, {})
+    assert not got["handed"], got
