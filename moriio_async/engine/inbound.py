@@ -124,7 +124,7 @@ class InboundStatuses:
             # Past the 1st, 2nd, 4th, 8th... drop: a target that never pops logs little.
             who, old = gone[-1]
             log.warning(
-                "inbound status of %s uid %d dropped unpopped (%d dropped so far, %d for the byte bound): at most "
+                "inbound status of %.64s uid %d dropped unpopped (%d dropped so far, %d for the byte bound): at most "
                 "%d are kept per initiator (max_inbound_statuses) and %d bytes in all (max_inbound_status_bytes); "
                 "pop_inbound_transfer_status takes them",
                 who, old, dropped, self.dropped_for_bytes, self.max_per_peer, self.max_bytes,
