@@ -80,7 +80,11 @@ class IOEngineConfig:
     max_inbound_statuses: int = 4096
     """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
     oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
-    with it, so at most ``max_peers`` times this many are kept."""
+    with it."""
+    max_inbound_status_bytes: int = 8 << 20
+    """Target side: bytes all initiators' unpopped inbound statuses may take together (accounted: 320 an
+    entry, about 700 an initiator); beyond it the oldest entry of any initiator is dropped (counted in
+    ``statistics()["inbound_dropped"]`` and ``["inbound_dropped_for_bytes"]``)."""
 
     def __post_init__(self) -> None:
         for name in ("transfer_timeout", "control_timeout", "retry_timeout", "abort_timeout", "link_idle_timeout"):
@@ -99,6 +103,7 @@ class IOEngineConfig:
             "max_notification_bytes",
             "max_answering_qps_per_link",
             "max_inbound_statuses",
+            "max_inbound_status_bytes",
             "max_data_hellos",
         ):
             if getattr(self, name) < 1:

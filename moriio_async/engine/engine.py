@@ -73,7 +73,7 @@ class IOEngine:
         self._memory = MemoryRegistry(key, self.incarnation)
         self._sessions: set[Session] = set()
         self._inbox = self._new_inbox()
-        self._inbound = InboundStatuses(self.config.max_inbound_statuses)
+        self._inbound = InboundStatuses(self.config.max_inbound_statuses, self.config.max_inbound_status_bytes)
         self._uids = TransferUids()
         self._guard = Guard()
         self._port = 0
@@ -368,6 +368,8 @@ class IOEngine:
             "uids_in_flight": len(self._uids),
             "inbound_statuses": len(self._inbound),
             "inbound_dropped": self._inbound.dropped,
+            "inbound_dropped_for_bytes": self._inbound.dropped_for_bytes,
+            "inbound_status_bytes": self._inbound.bytes,
             "done_dropped": running.peers.dropped_done if running is not None else 0,
             "authenticated": self._secret is not None,
             "refused_links": guard.refused_links,

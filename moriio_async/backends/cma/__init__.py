@@ -5,7 +5,7 @@ An initiator reads and writes the target process's registered memory itself:
 ``memmove`` through a shared mapping for buffers the target allocated with
 ``allocate_buffer`` / ``allocate_memory`` (a sealed memfd, passed to the
 initiator over the queue pair's Unix socket). Every remote request is
-checked against the target's region table (shared read-only) before a byte
+checked against the target's region table (sealed: peers can only read it) before a byte
 moves; the target revokes a region on deregistration with one store that
 every later check sees, and each initiator acknowledges once its copy in
 progress ended. Same RC semantics as the other backends.

@@ -35,7 +35,7 @@ from .inuse import InUse
 from .kernel import boot_id, map_shared, process_vm, start_time, unmap
 from .pairstate import PairState
 from .permissions import CmaNotPermitted, explain
-from .table import LIVE, TableView
+from .table import FUTURE_WRITE, LIVE, TableView
 from .wire import HELLO, MAGIC, MSG, VERSION, WELCOME, Kind, ProtocolError, Status, VendorErr, peer_cred, receive, send
 
 __all__ = ["MAX_MAPPINGS", "TargetLink", "dial"]
@@ -58,6 +58,9 @@ class TargetLink:
         self.pidfd = os.pidfd_open(pid)
         self._polls = threading.local()  # a poll object cannot be used by two threads at once
         self.maps: dict[int, tuple[int, int]] = {}  # allocation id -> (address, size), under copy_lock
+        self.read_only: set[int] = set()
+        """Mapped allocations sealed against writes (mapped PROT_READ): writes to them go by cross-memory
+        attach, never through the mapping (a store there would be SIGSEGV). Under copy_lock."""
         self._send_lock = threading.Lock()
         self._need = threading.Condition()
         self._fds: dict[int, tuple[int, int] | None] = {}  # allocation id -> (fd, size), or None: refused
@@ -103,7 +106,9 @@ class TargetLink:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             if not seals & fcntl.F_SEAL_SHRINK or os.fstat(fd).st_size < size or size <= 0:
                 return False  # a file that may shrink could fault (SIGBUS) under a copy
-            addr = map_shared(fd, size, writable=True)
+            # Sealed against writes (or a read-only descriptor): the kernel maps it for reading only.
+            writable = not seals & FUTURE_WRITE and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+            addr = map_shared(fd, size, writable=writable)
         except OSError:
             return False
         finally:
@@ -115,6 +120,8 @@ class TargetLink:
                 unmap(addr, size)
             else:
                 self.maps[alloc_id] = (addr, size)
+                if not writable:
+                    self.read_only.add(alloc_id)
         return True
 
     def _needed(self) -> set[int]:
@@ -163,6 +170,7 @@ class TargetLink:
                 needed = self._needed()
                 for alloc_id in [k for k in self.maps if k not in needed]:
                     addr, size = self.maps.pop(alloc_id)
+                    self.read_only.discard(alloc_id)
                     unmap(addr, size)
         try:
             with self._send_lock:
@@ -191,6 +199,7 @@ class TargetLink:
         for addr, size in self.maps.values():
             unmap(addr, size)
         self.maps.clear()
+        self.read_only.clear()
         with self._need:
             for got in self._fds.values():
                 if got is not None:
@@ -257,7 +266,10 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
             raise CmaNotPermitted(f"qp {qp_num}: the cma target runs as uid {cred.uid}, this process as {os.getuid()}")
         if start_time(pid) != started or uuid.UUID(bytes=boot_raw) != uuid.UUID(boot):
             raise PeerError(f"qp {qp_num}: pid {pid} is not the process that answered (start time differs)")
-        view = TableView(fd)
+        try:
+            view = TableView(fd)
+        except ValueError as exc:  # e.g. a table peers could write (an older target: version 1)
+            raise ProtocolError(str(exc)) from exc
         os.close(fd)
         fd = None
         got = np.zeros(16, np.uint8)

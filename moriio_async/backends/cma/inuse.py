@@ -29,7 +29,7 @@ from typing import Final
 
 import numpy as np
 
-from .table import seal_fd
+from .table import seal_fd, seal_writes
 
 __all__ = ["ANY", "PAGE", "InUse", "InUseView", "fence", "tag_for"]
 
@@ -59,7 +59,10 @@ class InUse:
             os.ftruncate(self.fd, PAGE)
             seal_fd(self.fd)
             self._map = mmap.mmap(self.fd, PAGE)
+            seal_writes(self.fd)  # the target only reads the word: only this mapping may write it
         except BaseException:
+            if hasattr(self, "_map"):
+                self._map.close()
             os.close(self.fd)
             raise
         self.word = np.frombuffer(self._map, dtype=np.uint32)

@@ -19,7 +19,11 @@ dumpable, and Yama's ``/proc/sys/kernel/yama/ptrace_scope`` agreeing:
 These checks are the kernel's, and they are coarse: any same-uid process the
 kernel lets attach can read and write the whole target. The region checks
 this backend makes (rkey, range, access, revocation) protect cooperating
-peers from mistakes, not a target from a hostile same-uid process.
+peers from mistakes, not a target from a hostile same-uid process that may
+attach. What holds even against one is what the kernel enforces on the
+memfds: the region table and the allocations sealed against writes
+(``table.py``, ``regions.py``) are written only through their owner's own
+mapping.
 """
 
 from __future__ import annotations

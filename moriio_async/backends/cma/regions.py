@@ -6,6 +6,15 @@ the same pages and copy with ``memmove`` instead of cross-memory attach.
 An allocation lives as long as its buffer object does (a ``weakref``
 finalizer closes the memfd); peers keep their own mappings until the regions
 they use are revoked.
+
+Read-only is the kernel's to enforce, not the peer's: an allocation is
+sealed against writes (``F_SEAL_FUTURE_WRITE``: the owner's own mapping keeps
+writing, no other descriptor or mapping ever can) as soon as a region
+without REMOTE_WRITE is registered in it, or when it is handed to a peer
+while no region in it is exported with REMOTE_WRITE. A read-only descriptor
+alone would not do: a peer reopens ``/proc/self/fd/N`` read-write. Peers map
+a sealed allocation read-only; a region in it exported with REMOTE_WRITE is
+then written by cross-memory attach, never through the mapping.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import numpy.typing as npt
 from ...errors import InvalidArgument
 from ...status import Access
 from ..base import MemoryRegion
-from .table import LIVE, READ, WRITE, seal_fd
+from .table import LIVE, READ, WRITE, seal_fd, seal_writes
 from .wire import VendorErr
 
 __all__ = ["Allocation", "CmaRegion", "LocalTable", "address_of", "table_flags"]
@@ -55,6 +64,8 @@ class Allocation:
     fd: int
     size: int
     addr: int
+    sealed: bool = False
+    """Sealed against writes: peers map it read-only, and no one ever maps it writable again."""
 
 
 def address_of(view: memoryview) -> int:
@@ -110,6 +121,17 @@ class LocalTable:
                     return alloc
         return None
 
+    def seal(self, alloc: Allocation) -> bool:
+        """Seal ``alloc`` against writes (once and for good); False where the kernel cannot."""
+        with self._lock:
+            if not alloc.sealed and self.allocations.get(alloc.id) is alloc:
+                try:
+                    seal_writes(alloc.fd)
+                except OSError:
+                    return False
+                alloc.sealed = True
+            return alloc.sealed
+
     def register(self, buffer: memoryview, access: Access) -> CmaRegion:
         view = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
         if access & Access.REMOTE_WRITE and not access & Access.LOCAL_WRITE:
@@ -119,6 +141,8 @@ class LocalTable:
             )
         addr = address_of(view)
         alloc = self.containing(addr, view.nbytes)
+        if alloc is not None and not access & Access.REMOTE_WRITE:
+            self.seal(alloc)  # no peer is to write this: from now on none can through the memfd (best effort)
         with self._lock:
             lkey = next(self._lkeys) & 0xFFFFFFFF
             region = CmaRegion(

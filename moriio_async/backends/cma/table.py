@@ -16,7 +16,14 @@ every initiator connected at revocation time acknowledged it (``target.py``),
 so a reader never sees a slot rewritten under a key it still believes in.
 
 The file is sealed against shrinking and growing, so mapping it can never
-fault (SIGBUS) whatever the owner does later; the reader checks the seals.
+fault (SIGBUS) whatever the owner does later, and against writes
+(``F_SEAL_FUTURE_WRITE``, added once the owner has mapped it writable): the
+owner's mapping is the only writable one there will ever be. A peer holding
+the memfd (handed to it, or opened by path as ``/proc/<pid>/fd/N``, which a
+same-user process may) cannot map it writable, ``mprotect`` a read-only
+mapping writable, ``write`` or punch a hole in it: the kernel refuses
+(EPERM/EACCES), so a revoked slot stays revoked whatever a peer does through
+the file. The reader checks the seals.
 """
 
 from __future__ import annotations
@@ -34,7 +41,21 @@ import numpy.typing as npt
 from ...errors import InvalidArgument
 from .wire import VendorErr
 
-__all__ = ["CLOSED", "LIVE", "READ", "RECORD", "SLOTS", "WRITE", "Checked", "RegionTable", "TableView", "seal_fd"]
+__all__ = [
+    "CLOSED",
+    "FUTURE_WRITE",
+    "LIVE",
+    "READ",
+    "RECORD",
+    "SLOTS",
+    "WRITE",
+    "Checked",
+    "RegionTable",
+    "TableView",
+    "seal_fd",
+    "seal_writes",
+    "sealed_against_writes",
+]
 
 RECORD: Final = np.dtype(
     [("rkey", "<u4"), ("flags", "<u4"), ("alloc", "<u4"), ("reserved", "<u4"),
@@ -48,15 +69,32 @@ LIVE: Final = 4
 CLOSED: Final = 8
 """In slot 0's flags (no region uses slot 0) once the owner closed its backend: every check fails."""
 _MASK: Final = SLOTS - 1
-_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+FUTURE_WRITE: Final[int] = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux 5.1; Python names it from 3.14
+"""No writable mapping, ``write`` or hole punch from now on, through any descriptor; mappings that
+exist stay as they are (the owner's own keeps writing)."""
+_SIZE_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_SEALS: Final = _SIZE_SEALS | FUTURE_WRITE
 
 U32 = npt.NDArray[np.uint32]
 U64 = npt.NDArray[np.uint64]
 
 
 def seal_fd(fd: int) -> None:
-    """Seal a memfd against shrinking, growing and further sealing."""
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    """Seal a memfd against shrinking and growing (a peer's mapping of it can never fault)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
+
+
+def seal_writes(fd: int) -> None:
+    """Seal a memfd against every later write (``FUTURE_WRITE``), after the owner mapped it writable,
+    and against any further seal (nothing else is needed of it).
+
+    Raises OSError where the kernel has no such seal (before 5.1): then nothing here may be shared
+    read-only, since a descriptor's read-only mode alone is undone by reopening ``/proc/self/fd/N``."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+
+
+def sealed_against_writes(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & FUTURE_WRITE)
 
 
 class RegionTable:
@@ -69,7 +107,10 @@ class RegionTable:
             os.ftruncate(self.fd, self.nbytes)
             seal_fd(self.fd)
             self._map = mmap.mmap(self.fd, self.nbytes)
+            seal_writes(self.fd)  # the mapping above stays the only writable one: peers only read the table
         except BaseException:
+            if hasattr(self, "_map"):
+                self._map.close()
             os.close(self.fd)
             raise
         self.records = np.frombuffer(self._map, dtype=RECORD)
@@ -104,6 +145,12 @@ class RegionTable:
         with self._lock:
             if int(self.records["rkey"][slot]) == rkey and int(self.records["flags"][slot]):
                 self.records["flags"][slot] = flags
+
+    def flags(self, rkey: int) -> int:
+        """The table's bits for ``rkey`` now (0: not live under that key)."""
+        slot = rkey & _MASK
+        with self._lock:
+            return int(self.records["flags"][slot]) if int(self.records["rkey"][slot]) == rkey else 0
 
     def revoke(self, rkey: int) -> bool:
         """Make ``rkey`` fail every later check (one store). False when it is not live."""

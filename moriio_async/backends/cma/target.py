@@ -31,20 +31,18 @@ import time
 import uuid
 from typing import Protocol
 
-from ...status import Access
 from ..base import BackendOptions
 from .inuse import InUseView, fence
 from .kernel import boot_id, start_time
 from .permissions import PtracerPolicy
 from .regions import Allocation, CmaRegion, LocalTable
-from .table import SLOTS, RegionTable
+from .table import READ, SLOTS, WRITE, RegionTable
 from .wire import HELLO, MAGIC, MSG, VERSION, WELCOME, Kind, ProtocolError, Status, peer_cred, receive, send
 
 __all__ = ["MAX_CONNECTIONS", "Passive", "TargetPort"]
 
 log = logging.getLogger("moriio_async.cma")
 
-_REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE
 MAX_CONNECTIONS = 1024
 """Initiator connections one backend serves at once (each has a thread); more are refused at accept."""
 
@@ -192,11 +190,21 @@ class TargetPort:
             self._waiting.pop(token, None)
 
     def exported_allocation(self, alloc_id: int) -> Allocation | None:
-        """The allocation, if a live region with remote access lies in it (else peers may not map it)."""
-        regions = list(self.local.by_lkey.values())
-        if not any(r.alloc == alloc_id and r.live and r.access & _REMOTE for r in regions):
+        """The allocation, if a live region exported with remote access lies in it (else peers may not
+        map it). Unless one is exported with REMOTE_WRITE it is sealed against writes first, so the
+        peer can only read it (None when the kernel cannot seal it)."""
+        alloc = self.local.allocations.get(alloc_id)
+        if alloc is None:
             return None
-        return self.local.allocations.get(alloc_id)
+        granted = 0
+        for r in list(self.local.by_lkey.values()):
+            if r.alloc == alloc_id and r.live:
+                granted |= self.table.flags(r.rkey)  # what is exported now, not what was registered
+        if not granted & (READ | WRITE):
+            return None
+        if not granted & WRITE and not self.local.seal(alloc):
+            return None
+        return alloc
 
     def revoke(self, region: CmaRegion) -> None:
         """Revoke ``region`` in the table and tell every initiator; never waits."""

@@ -52,7 +52,8 @@ __all__ = [
 ]
 
 MAGIC: Final = b"MCMA"
-VERSION: Final = 1
+VERSION: Final = 2
+"""2: the region table and read-only allocations are sealed against peers' writes (``table.py``)."""
 HELLO: Final = struct.Struct("<4sBBH16sIIQ")
 WELCOME: Final = struct.Struct("<4sBBHIIQ16sQ16sII")
 MSG: Final = struct.Struct("<4sBBHIIQ")

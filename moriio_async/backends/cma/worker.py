@@ -146,27 +146,32 @@ class Executor:
         if not good:
             return 0, status, vendor, None
         allocs = rc.records["alloc"][:good]
+        read_only = self.link.read_only
+        if not read and read_only:
+            # An allocation sealed against writes is mapped read-only here: a region in it exported
+            # with REMOTE_WRITE is written by cross-memory attach, as if it were plain memory.
+            allocs = np.where(np.isin(allocs, np.fromiter(read_only, np.uint32)), np.uint32(0), allocs)
         shared = bool(allocs[0])
         kind_change = np.flatnonzero((allocs != 0) != shared)
         if len(kind_change):  # one kind per window: the rest runs next
             good, status, vendor = int(kind_change[0]), None, 0
         if not shared:
             return good, status, vendor, None
-        recs = rc.records[:good]
+        recs, allocs = rc.records[:good], allocs[:good]
         maps = self.link.maps
         base = np.zeros(good, dtype=np.uint64)
         size = np.zeros(good, dtype=np.uint64)
-        for alloc_id in np.unique(recs["alloc"]).tolist():
+        for alloc_id in np.unique(allocs).tolist():
             mapped = maps.get(alloc_id)
             if mapped is None:
-                missing = int(np.argmax(recs["alloc"] == alloc_id))
+                missing = int(np.argmax(allocs == alloc_id))
                 if missing == 0:
                     self.missing = alloc_id
                     return 0, WcStatus.REM_ACCESS_ERR, VendorErr.NO_MAPPING, None
                 good, status, vendor = missing, None, 0
-                recs, base, size = recs[:good], base[:good], size[:good]
+                recs, allocs, base, size = recs[:good], allocs[:good], base[:good], size[:good]
                 continue
-            sel = recs["alloc"] == alloc_id
+            sel = allocs == alloc_id
             base[sel], size[sel] = mapped
         offset = recs["alloc_off"] + (ra[:good] - recs["addr"])
         inside = (offset <= size) & (rl[:good] <= size - offset)
