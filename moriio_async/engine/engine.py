@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import mmap
+import threading
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, final
 
@@ -77,6 +78,8 @@ class IOEngine:
         self._uids = TransferUids()
         self._guard = Guard()
         self._port = 0
+        self._thread = 0
+        """The thread running the engine's loop, once started: the sync calls that change state run only there."""
         self.loop: asyncio.AbstractEventLoop
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -87,6 +90,7 @@ class IOEngine:
             raise InvalidArgument("engine already started")
         self._started = True
         self.loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         if self._inbox.closed:
             self._inbox = self._new_inbox()
         cfg = self.config
@@ -162,6 +166,14 @@ class IOEngine:
             raise EngineClosed(f"engine {self.key!r} is not running", hint="use `async with IOEngine(...)`")
         return self._running
 
+    def _on_loop(self, call: str) -> None:
+        """Refuse a call made off the engine's loop thread: the tables it changes belong to the loop."""
+        if self._thread and threading.get_ident() != self._thread:
+            raise InvalidArgument(
+                f"IOEngine.{call} was called off the thread running engine {self.key!r}'s event loop",
+                hint="call it on the loop (loop.call_soon_threadsafe); from threads, use moriio_async.compat.mori",
+            )
+
     # -- identity --------------------------------------------------------------------------------
 
     @property
@@ -197,10 +209,12 @@ class IOEngine:
         exports an unnamed one (whose descriptor you hand to peers yourself), ``export=False`` keeps a
         named one local. See ``export_memory`` and README "Security".
         """
+        self._on_loop("register_memory")
         return self._memory.register(self._require_open().backends, buffer, name, access, export)
 
     def export_memory(self, desc: MemoryDesc) -> MemoryDesc:
         """Make a registered region reachable by peers (before packing its descriptor for one); ``desc``."""
+        self._on_loop("export_memory")
         self._memory.export(self._require_open().backends, desc)
         return desc
 
@@ -212,11 +226,13 @@ class IOEngine:
         On the cma backend it is a memfd that same-host peers map and copy with memcpy; elsewhere
         an anonymous mapping. ``np.frombuffer(buffer, np.uint8)`` views it as an array.
         """
+        self._on_loop("allocate_memory")
         buffer = self._require_open().backend.allocate_buffer(size)
         return self.register_memory(buffer, name, access, export=export), buffer
 
     def deregister_memory(self, desc: MemoryDesc) -> None:
         """Deregister now; ``MemoryInUse`` if transfers on it are in flight (see ``release_memory``)."""
+        self._on_loop("deregister_memory")
         self._memory.deregister_unused(desc, self._backends or None)
 
     async def release_memory(self, desc: MemoryDesc, timeout: float | None = None) -> None:
@@ -234,6 +250,7 @@ class IOEngine:
 
     def register_remote_engine(self, desc: EngineDesc) -> None:
         """MoRI-IO's explicit style: learn a peer from its packed descriptor (undoes a deregistration)."""
+        self._on_loop("register_remote_engine")
         self._require_open().peers.register(desc)
 
     def deregister_remote_engine(self, peer: EngineDesc | str) -> None:
@@ -245,6 +262,7 @@ class IOEngine:
         engine are untouched. To stop them, close (abort) those sessions.
         Unknown keys are ignored, as in MoRI-IO.
         """
+        self._on_loop("deregister_remote_engine")
         self._require_open().peers.forget(peer if isinstance(peer, str) else peer.key)
 
     async def connect(self, address: str, timeout: float | None = None) -> PeerInfo:
@@ -285,6 +303,7 @@ class IOEngine:
     def announce_transfer(self, peer_key: str, uid: int, code: StatusCode = StatusCode.SUCCESS) -> None:
         """Send peer ``peer_key`` the ``done`` notice a transfer with ``uid`` sends when it ends, without
         a transfer: for work the caller split over several transfers, or an empty batch. No wait."""
+        self._on_loop("announce_transfer")
         self._require_open().peers.announce(peer_key, check_uid(uid), StatusCode(code))
 
     def pop_inbound_transfer_status(self, peer_key: str, uid: int) -> StatusCode | None:
@@ -321,6 +340,7 @@ class IOEngine:
         The completion reader does this at every wakeup; call it only where a
         backend raises no wakeup (a held mock NIC in tests).
         """
+        self._on_loop("drain_completions")
         return self._running.router.drain() if self._running is not None else 0
 
     # -- notifications ----------------------------------------------------------------------------

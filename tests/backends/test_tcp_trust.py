@@ -100,6 +100,34 @@ def test_with_a_session_key_the_token_is_derived_never_sent_and_good_once(caplog
     assert [r for r in caplog.records if "unknown or used token" in r.getMessage()], "refusals are logged"
 
 
+@pytest.mark.parametrize("key", [None, KEY], ids=["random-token", "derived-token"])
+def test_passive_pairs_opened_and_closed_leave_no_token_on_the_data_port(key: bytes | None) -> None:
+    """A token waits on the data port from the passive connect until its dial; a pair closed first (its
+    peer never dialed, or gave up) takes its token with it, so churn leaves the port holding nothing."""
+    opts = make_options()
+    a, b = open_backend("tcp", opts), open_backend("tcp", opts)
+    try:
+        assert isinstance(b, TcpBackend)
+        cq_a, cq_b = a.create_cq(64), b.create_cq(64)
+        for i in range(60):
+            qa, qb = a.create_qp(cq_a), b.create_qp(cq_b)
+            qa.bind_session(key, answering=False)
+            qb.bind_session(key, answering=True)
+            qb.connect(qa.endpoint())  # passive: its token now waits for qa's dial
+            assert b.listener.waiting == 1
+            if i % 3 == 0:
+                qa.connect(qb.endpoint())  # dialed: the hello took the token
+                assert qa.state == "RTS"
+            elif i % 3 == 1:
+                qa.close()  # the active side gives up before dialing
+            (qb.close, qa.close)[i % 2]()
+            (qa.close, qb.close)[i % 2]()
+            assert b.listener.waiting == 0, f"pair {i} left its token behind"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_guessed_tokens_are_counted_and_logged_at_a_rate(caplog: pytest.LogCaptureFixture) -> None:
     with target() as t:
         caplog.set_level(logging.WARNING, "moriio_async.tcp")

@@ -9,6 +9,7 @@ import pytest
 
 import moriio_async
 from moriio_async.compat.mori import StatusCode, TransferStatus, wait_all
+from moriio_async.compat.mori import status as status_module
 
 
 def in_progress() -> TransferStatus:
@@ -119,3 +120,58 @@ def test_set_code_wakes_waiters_for_terminal_codes(code: StatusCode) -> None:
     thread = later(0.02, status.SetCode, code)
     assert status.WaitFor(5000) is code
     thread.join()
+
+
+class FakeClock:
+    """``time`` for the status module, with a ``monotonic`` only the test moves (the rest is the real one)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+class EndsAt(TransferStatus):
+    """A status that ends with SUCCESS at ``at`` on the fake clock: a wait of ``timeout_ms`` moves the clock
+    to the end (or by the whole timeout, if it ends later), as a real wait would spend that time."""
+
+    def __init__(self, clock: FakeClock, at: float) -> None:
+        super().__init__()
+        self.SetCode(StatusCode.IN_PROGRESS)
+        self.clock, self.at = clock, at
+        self.waits: list[int] = []
+
+    def WaitFor(self, timeout_ms: int = -1) -> StatusCode:
+        self.waits.append(timeout_ms)
+        if self.Code() is StatusCode.IN_PROGRESS and timeout_ms != 0:
+            reach = self.clock.now + (timeout_ms / 1000 if timeout_ms > 0 else float("inf"))
+            if self.at <= reach:
+                self.clock.now = max(self.clock.now, self.at)
+                self.Update(StatusCode.SUCCESS, "")
+            else:
+                self.clock.now = reach
+        return self.Code()
+
+
+def test_wait_all_with_time_left_waits_for_each_status_within_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each status gets the time left until wait_all's deadline, so statuses that end before it succeed;
+    only one ending after it makes the answer IN_PROGRESS. Never a look and a give-up with time left."""
+    clock = FakeClock()
+    monkeypatch.setattr(status_module, "time", clock)
+    start = clock.now
+    first, second = EndsAt(clock, start + 0.6), EndsAt(clock, start + 0.9)
+    assert wait_all([first, second], timeout_ms=1000) is StatusCode.SUCCESS
+    assert first.waits == [1000] and 399 <= second.waits[0] <= 400  # the deadline is wait_all's, not per status
+    assert clock.now == start + 0.9
+    clock.now = start = 2000.0
+    late, never_asked = EndsAt(clock, start + 1.5), EndsAt(clock, start + 0.1)
+    assert wait_all([late, never_asked], timeout_ms=1000) is StatusCode.IN_PROGRESS
+    assert late.waits == [1000] and clock.now == start + 1.0
+    assert never_asked.waits == []  # the deadline had passed: not waited on
+    clock.now = start = 3000.0
+    forever = EndsAt(clock, start + 3600)
+    assert wait_all([forever]) is StatusCode.SUCCESS and forever.waits == [-1]  # no deadline: waits it out

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from moriio_async.compat.mori import IOEngine, RdmaBackendConfig, StatusCode, TransferStatus
+from moriio_async.compat.mori import IOEngine, MemoryLocationType, RdmaBackendConfig, StatusCode, TransferStatus
 
 from .conftest import make_pair, on_loop, register
 from .test_inbound import wait_inbound
@@ -169,3 +169,38 @@ def test_engines_close_from_any_thread_and_statuses_end(pair: tuple[IOEngine, IO
     status = session.write(0, 0, 8)
     assert status.Code() is StatusCode.ERR_BAD_STATE and not session.alive()
     a.close()  # idempotent
+
+
+def test_every_engine_call_from_a_user_thread_runs_on_the_loop_thread(pair: tuple[IOEngine, IOEngine]) -> None:
+    """The moriio_async engine refuses state-changing calls made off its loop thread (InvalidArgument), so a
+    compat call that ran the engine call in the caller's thread would raise here instead of working."""
+    a, b = pair
+    failures: list[BaseException] = []
+
+    def user_thread() -> None:
+        try:
+            x, mx = register(a, 4096, fill=3)
+            raw = np.zeros(4096, np.uint8)
+            mraw = a.register_memory(raw.ctypes.data, raw.nbytes, -1, MemoryLocationType.CPU)
+            _, my = register(b, 4096, fill=0)
+            a.register_remote_engine(b.get_engine_desc())
+            session = a.create_session(mx, my)
+            assert session is not None
+            uid = a.allocate_transfer_uid()
+            assert a.wait_all([session.write(0, 0, 4096, uid)], 10_000) is StatusCode.SUCCESS
+            assert a.wait_all([a.read(mraw, 0, my, 0, 64, 99)], 10_000) is StatusCode.SUCCESS
+            assert (raw[:64] == 3).all()
+            session.close()
+            a.deregister_memory(mraw)
+            a.deregister_memory(mx)
+            a.deregister_remote_engine(b.get_engine_desc())
+            assert a.create_session(mx, my) is None  # the remote engine was forgotten
+            del x
+        except BaseException as exc:
+            failures.append(exc)
+
+    worker = threading.Thread(target=user_thread)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive()
+    assert not failures, failures

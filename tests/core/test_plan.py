@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moriio_async.core.plan import check_blocks, merge_contiguous_blocks, plan_segments
+from moriio_async.core.plan import Segment, check_blocks, merge_contiguous_blocks, plan_segments
 from moriio_async.errors import InvalidArgument
 
 
@@ -25,6 +25,33 @@ def test_plan_uses_scatter_list_for_remote_contiguous_local_scattered() -> None:
     segs = plan_segments([0, 100, 200], [0, 4, 8], [4, 4, 4], max_sge=16, max_wr_bytes=1 << 20)
     assert len(segs) == 1
     assert segs[0].pieces == ((0, 4), (100, 4), (200, 4))
+
+
+@pytest.mark.parametrize(
+    ("lo", "ro", "expected"),
+    [
+        # Local contiguous all along, remote with a gap: two pieces, one request each.
+        ([0, 8, 16, 24], [0, 8, 32, 40], [Segment(0, 16, ((0, 16),)), Segment(32, 16, ((16, 16),))]),
+        # Both sides contiguous, then local contiguous only.
+        ([0, 8, 16], [0, 8, 100], [Segment(0, 16, ((0, 16),)), Segment(100, 8, ((16, 8),))]),
+        # Remote contiguous only: one request, a scatter entry per block.
+        ([0, 64, 128], [0, 8, 16], [Segment(0, 24, ((0, 8), (64, 8), (128, 8)))]),
+        # Remote contiguous, local contiguous the other way round: not one piece.
+        ([8, 0], [0, 8], [Segment(0, 16, ((8, 8), (0, 8)))]),
+        # Both sides contiguous in two runs that touch neither side of each other.
+        ([0, 8, 64, 72], [0, 8, 16, 24], [Segment(0, 32, ((0, 16), (64, 16)))]),
+    ],
+    ids=["remote-gap", "then-local-only", "remote-only", "local-reversed", "two-runs"],
+)
+def test_the_vectorised_planner_merges_pieces_only_when_both_sides_are_contiguous(
+    lo: list[int], ro: list[int], expected: list[Segment]
+) -> None:
+    assert plan_segments(lo, ro, [8] * len(lo), max_sge=16, max_wr_bytes=1 << 20) == expected
+
+
+def test_merge_contiguous_blocks_needs_both_sides_at_every_boundary() -> None:
+    assert merge_contiguous_blocks([0, 8, 16], [0, 8, 100], [8, 8, 8]) == ([0, 16], [0, 100], [16, 8])
+    assert merge_contiguous_blocks([0, 64, 72], [0, 8, 16], [8, 8, 8]) == ([0, 64], [0, 8], [8, 16])
 
 
 def test_plan_respects_max_sge_and_max_wr_bytes() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 
 import numpy as np
@@ -136,3 +137,30 @@ async def test_bad_addresses_and_configs() -> None:
     async with IOEngine("x", IOEngineConfig(backend="mock")) as e:
         with pytest.raises(InvalidArgument, match="host:port"):
             await e.connect("nonsense")
+
+
+async def test_calls_that_change_the_engine_are_refused_off_its_loop_thread(pair: Pair) -> None:
+    """The engine's tables belong to its loop: from another thread, each state-changing call raises and
+    changes nothing (moriio_async.compat.mori hands such calls to the loop). The thread-safe ones work."""
+    a, b = pair.a, pair.b
+    desc_b = b.get_engine_desc()
+    calls = {
+        "register_memory": lambda: a.register_memory(bytearray(64), name="other"),
+        "allocate_memory": lambda: a.allocate_memory(4096),
+        "export_memory": lambda: a.export_memory(pair.desc_a),
+        "deregister_memory": lambda: a.deregister_memory(pair.desc_a),
+        "register_remote_engine": lambda: a.register_remote_engine(desc_b),
+        "deregister_remote_engine": lambda: a.deregister_remote_engine("b"),
+        "announce_transfer": lambda: a.announce_transfer("b", 1),
+        "drain_completions": a.drain_completions,
+    }
+    regions = a.statistics()["regions"]
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgument, match=f"IOEngine.{name} was called off the thread"):
+            await asyncio.to_thread(call)
+    assert a.statistics()["regions"] == regions
+    assert await asyncio.to_thread(a.allocate_transfer_uid) >= 0  # documented as safe from any thread
+    assert await asyncio.to_thread(b.pop_inbound_transfer_status, "a", 1) is None  # nothing was announced
+    await pair.session.write(0, 0, 64)  # "b" is still known, the region still registered
+    a.announce_transfer("b", 1)  # on the loop: fine
+    assert await b.wait_inbound_transfer_status("a", 1, timeout=5) is not None

@@ -160,6 +160,35 @@ async def test_closing_a_session_closes_the_answering_pair_it_had_on_the_peer(pa
     await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)  # the other session is intact
 
 
+async def test_another_peers_close_qp_naming_a_s_answering_pairs_closes_nothing_of_a_s(
+    pair: Pair, backend: str
+) -> None:
+    """A third engine on its own link names every answering pair number near its own in close_qp: only
+    the engine that asked for a pair may close it, so a's pair on b (made just before) stays."""
+    b = pair.b
+    evil = await hello(b.address, "evil", backend=backend)
+    try:
+        assert evil.welcomed
+        endpoint = {"backend": backend, "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 1,
+                    "token": "ab" * 16}  # fmt: skip
+        await evil.send({"op": "connect_qp", "id": 2, "incarnation": b.incarnation, "endpoint": endpoint})
+        own = await read_message(evil.reader)
+        assert own["op"] == "qp"
+        answering = b.statistics()["answering_qps"]  # a's, and evil's own
+        numbers = [n for n in range(max(0, own["qp"] - 256), own["qp"] + 256) if n != own["qp"]]
+        await evil.send(*({"op": "close_qp", "qp": n} for n in numbers), {"op": "memory", "id": 3})
+        while (await read_message(evil.reader)).get("re") != 3:  # notices first: they were handled
+            pass
+        assert b.statistics()["answering_qps"] == answering
+        pair.buf_b[:64] = 0x5A
+        await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)  # a's pair still answers
+        assert (pair.buf_a[:64] == 0x5A).all()
+        await evil.send({"op": "close_qp", "qp": own["qp"]})  # its own: that one it may close
+        await until(lambda: b.statistics()["answering_qps"] == answering - 1)
+    finally:
+        await evil.close()
+
+
 async def test_notifications_end_with_the_engine(backend: str) -> None:
     async with IOEngine("b", IOEngineConfig(backend=backend)) as b, IOEngine("a", IOEngineConfig(backend=backend)) as a:
         await a.connect(b.address)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -91,6 +92,29 @@ async def test_a_value_that_is_no_uid_is_refused(held: Pair, bad: object) -> Non
     assert held.a.outstanding == 0 and held.session.channel.posted == 0
 
 
+async def test_a_call_refused_for_bad_input_leaves_its_uid_free(pair: Pair) -> None:
+    """The uid is claimed only once the input passed every check: a refused call must not keep uid 5."""
+    s, size = pair.session, pair.desc_b.length
+    refused = [
+        lambda: s.write(0, 0, 0, uid=5),  # empty block
+        lambda: s.read(-1, 0, 8, uid=5),
+        lambda: s.write(0, size, 8, uid=5),  # past the remote region
+        lambda: s.read(0, 0, size + 1, uid=5),  # bigger than either region
+        lambda: s.batch_write([0, 8], [0], [8, 8], uid=5),  # lists of different lengths
+        lambda: s.batch_read([0, 64], [0, size], [64, 64], uid=5),  # the second block past the remote region
+        lambda: s.batch_write([0], [0], [-8], uid=5),
+        lambda: s.batch_read([0, 8], [0, 8], [8, "8"], uid=5),  # type: ignore[list-item]
+    ]
+    for call in refused:
+        with pytest.raises(InvalidArgument):
+            call()
+        assert pair.a.statistics()["uids_in_flight"] == 0
+    t = s.batch_write([0, 64], [0, 64], [8, 8], uid=5)  # free: the first good call with it goes through
+    await t
+    assert t.uid == 5
+    assert await pair.b.wait_inbound_transfer_status("a", 5, timeout=5) is StatusCode.SUCCESS
+
+
 async def test_a_failed_transfer_announces_its_failure(held: Pair) -> None:
     qp = held.session.channel.qp
     qp.fail_next(WcStatus.REM_ACCESS_ERR)  # type: ignore[attr-defined]
@@ -160,6 +184,31 @@ async def test_a_restarted_initiator_starts_with_no_statuses(backend: str) -> No
             await a2.connect(b.address)
             await settled(b, a2)
             assert b.pop_inbound_transfer_status("a", 1) is None
+
+
+async def test_a_transfer_to_a_restarted_target_is_not_filed_by_its_new_incarnation() -> None:
+    """A transfer with uid 3 to b's first incarnation ends after b restarted (same key, same uids to come):
+    its done notice belongs to the engine that is gone, never to the new one."""
+    a, b, p = await make_pair("mock", backend_extra={"hold": True})
+    b2: IOEngine | None = None
+    try:
+        qp = p.session.channel.qp
+        t = p.session.write(0, 0, 64, uid=3)
+        await b.close()
+        b2 = await IOEngine("b", IOEngineConfig(backend="mock")).start()
+        b2.register_memory(bytearray(64), name="kv")
+        await a.connect(b2.address)  # a now knows b by its new incarnation
+        assert not t.done()
+        qp.step(1)  # type: ignore[attr-defined]
+        with contextlib.suppress(TransferFailed):  # b1's memory is gone: how it ends does not matter
+            await asyncio.wait_for(t, 5)
+        await settled(b2, a)
+        assert b2.pop_inbound_transfer_status("a", 3) is None
+        assert b2.statistics()["inbound_statuses"] == 0
+    finally:
+        await a.close()
+        if b2 is not None:
+            await b2.close()
 
 
 async def test_session_alive(pair: Pair) -> None:

@@ -70,6 +70,22 @@ async def test_completions_sitting_in_the_cq_are_not_called_timeouts() -> None:
         await b.close()
 
 
+async def test_the_final_drain_covers_every_engine_behind_the_wait() -> None:
+    """Transfers of two engines in one wait, each engine's completions in its CQ and never notified: at the
+    deadline both completion queues are drained, not only the first transfer's engine."""
+    pairs = [await make_pair("mock", backend_extra={"silent_cq": True}) for _ in range(2)]
+    try:
+        ts = [p.session.read(i, i, 1) for _, _, p in pairs for i in range(3)]
+        ts.append(pairs[0][2].session.read(9, 9, 1))  # the first engine's again, after the second's
+        assert not any(t.done() for t in ts)
+        await waiting_for_transfer_complete(ts, timeout=0.05)
+        assert all(t.Succeeded() for t in ts)
+    finally:
+        for a, b, _ in pairs:
+            await a.close()
+            await b.close()
+
+
 async def test_failed_and_pending_are_accounted_exactly(held: Pair) -> None:
     ok = held.session.read(0, 0, 1)
     nic(held).step(1)

@@ -117,3 +117,34 @@ def test_bad_shapes_are_refused_whole_before_anything_is_posted(verbs: Backend) 
     assert drain(cq, 1, 0.5) == []  # nothing was posted
     active.post(batch)
     assert [w.wr_id for w in drain(cq, 1, 10)] == [2]
+
+
+def test_each_posted_section_signals_exactly_its_own_signaled_requests(verbs: Backend) -> None:
+    """A chunk cut into several posted pieces (extended QP: a section, a request whose scatter entries differ
+    in length posted alone, another section...; plain QP: one post per request), signaled at positions no two
+    pieces share: the completions name exactly the signaled requests, so a flag taken from the wrong
+    position (one section off, one request off) shows as a wrong or missing wr_id."""
+    src_buf, dst_buf = bytearray(os.urandom(SIZE)), bytearray(SIZE)
+    src = verbs.register_memory(memoryview(src_buf), Access.all())
+    dst = verbs.register_memory(memoryview(dst_buf), Access.all())
+    cq = verbs.create_cq(1024)
+    active, _passive = connect(verbs, cq)
+    k, n = 4096, 12
+    odd = {3, 7}  # scatter entries of different lengths: each posted between two sections
+    signaled = {0, 3, 6, 9, 11}  # sections [0, 3), [4, 7), [8, 12): a different pattern in each
+
+    def sges(i: int) -> tuple[Sge, ...]:
+        if i in odd:
+            return (Sge(src.addr + 2 * i * k, 1024, src.lkey), Sge(src.addr + (2 * i + 1) * k, 3072, src.lkey))
+        return (Sge(src.addr + 2 * i * k, k, src.lkey),)
+
+    wrs = [
+        WorkRequest(200 + i, Opcode.RDMA_WRITE, sges(i), dst.addr + i * k, dst.rkey, i in signaled) for i in range(n)
+    ]
+    active.post(WorkBatch.from_requests(wrs))
+    wcs = drain(cq, len(signaled), 30)
+    assert drain(cq, 1, 0.5) == []  # and nothing more
+    assert [(w.wr_id, w.status) for w in wcs] == [(200 + i, WcStatus.SUCCESS) for i in sorted(signaled)]
+    for i in range(n):
+        want = b"".join(bytes(src_buf[s.addr - src.addr : s.addr - src.addr + s.length]) for s in sges(i))
+        assert dst_buf[i * k : (i + 1) * k] == want, i

@@ -83,6 +83,12 @@ class Listener:
         with self._lock:
             self._waiting.pop(token, None)
 
+    @property
+    def waiting(self) -> int:
+        """Tokens of passive pairs not dialed yet (each goes at its dial, or when its pair closes)."""
+        with self._lock:
+            return len(self._waiting)
+
     def close(self) -> None:
         """Stop accepting, end every connection and join every thread. Idempotent."""
         with self._lock:

@@ -1,0 +1,126 @@
+"""The decode server's READ mode, in one process: a decode ``Instance`` reading from a stand-in prefill.
+
+The stand-in is a plain ``IOEngine`` exporting a cache shaped like a prefill
+pool, every byte of it non-zero, so a read that should not have happened shows
+up in the decode pool's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from moriio_async import IOEngine, IOEngineConfig
+from moriio_async.backends.tcp import PlanHooks
+from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
+from moriio_async.serving.config import InstanceSettings
+from moriio_async.serving.decode import DecodeServer
+from moriio_async.serving.instance import Instance, ServingError
+from moriio_async.serving.kvpool import KVLayout
+from moriio_async.serving.messages import EngineRef, GenerateRequest
+from moriio_async.serving.model import Model, ModelConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+SMALL = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, block_size=4, max_model_len=32)
+BLOCKS = 16
+PROMPT = [1, 2, 3, 4, 5]  # two blocks of 4 tokens
+
+
+@dataclass
+class Stand:
+    decode: DecodeServer
+    prefill: IOEngine
+    ref: EngineRef
+    layout: KVLayout
+    cache: np.ndarray
+
+
+async def stand(backend: str, *, transfer_timeout: float = 10.0, hooks: PlanHooks | None = None) -> Stand:
+    extra = {"hooks": hooks} if hooks is not None else {}
+    prefill = await IOEngine("prefill-0", IOEngineConfig(backend=backend, backend_extra=extra)).start()
+    cache = Model(SMALL).new_cache(BLOCKS)
+    cache.view(np.uint8)[...] = 0xA5  # every byte non-zero: a stray read cannot hide
+    prefill.register_memory(cache, name="kv")
+    settings = InstanceSettings(
+        "decode-0", "decode", SMALL, BLOCKS, backend=backend, transfer_timeout=transfer_timeout, control_timeout=5.0
+    )
+    inst = Instance(settings)
+    await inst.start()
+    layout = KVLayout(SMALL.n_layers, BLOCKS, SMALL.block_bytes)
+    ref = EngineRef(prefill.key, prefill.address, prefill.incarnation)
+    return Stand(DecodeServer(inst), prefill, ref, layout, cache)
+
+
+async def close(s: Stand) -> None:
+    await s.decode.inst.close()
+    await s.prefill.close()
+
+
+def read_request(s: Stand, block_ids: list[int], request_id: str = "r1") -> GenerateRequest:
+    return GenerateRequest(request_id, PROMPT, 1, "read", s.ref, first_token=7, block_ids=block_ids, layout=s.layout)
+
+
+@pytest.fixture
+async def mock_stand() -> AsyncIterator[Stand]:
+    s = await stand("mock")
+    try:
+        yield s
+    finally:
+        await close(s)
+
+
+@pytest.mark.parametrize(
+    "block_ids",
+    [
+        pytest.param([3, BLOCKS], id="id-equal-to-num_blocks"),  # would be block 0 of the next K/V plane
+        pytest.param([BLOCKS - 1, BLOCKS], id="last-and-num_blocks"),
+        pytest.param([4, 4], id="repeated-id"),
+        pytest.param([-1, 2], id="negative-id"),
+    ],
+)
+async def test_a_read_naming_a_block_outside_prefills_pool_or_twice_is_refused_and_reads_nothing(
+    mock_stand: Stand, block_ids: list[int]
+) -> None:
+    s = mock_stand
+    pool = s.decode.inst.pool
+    with pytest.raises(ServingError) as info:
+        await s.decode.generate(read_request(s, block_ids))
+    assert info.value.status == 400 and "block ids" in str(info.value)
+    assert not pool.array.view(np.uint8).any()  # not one byte of prefill's cache arrived
+    assert pool.stats()["free"] == BLOCKS and pool.stats()["in_flight"] == 0
+    # The same request with good ids reads exactly its blocks.
+    gen, stats = await s.decode.generate(read_request(s, [0, 5], "r2"))
+    await asyncio.wait_for(gen.task, 10)
+    assert stats.bytes == SMALL.n_layers * 2 * 2 * SMALL.block_bytes
+    assert (pool.array[:, :, :2].view(np.uint8) == 0xA5).all()
+
+
+async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() -> None:
+    """Prefill's NIC stalls on the first read; decode's wait times out. Before the blocks go back to the pool
+    the session is aborted, so when prefill answers at last nothing lands in the blocks reallocated since."""
+    hooks = PlanHooks(FaultPlan((FaultRule(Action.STALL, qp=None, wr=0),)))
+    s = await stand("tcp", transfer_timeout=0.3, hooks=hooks)
+    try:
+        pool = s.decode.inst.pool
+        with pytest.raises(ServingError) as info:
+            await s.decode.generate(read_request(s, [0, 1]))
+        assert info.value.status == 502 and "failed" in str(info.value)
+        assert [a.action for a in hooks.applied] == [Action.STALL]  # the stall held the read, not a refusal
+        again = pool.try_allocate(pool.num_blocks)  # every block, those the reads were aimed at included
+        assert again is not None
+        hooks.release()  # prefill's NIC answers the stalled read now
+        # A pair completes in order: one more read over the session ends after the stalled one would have
+        # landed, had the session kept its pair (after the abort it reads over a fresh one).
+        session = await s.decode.inst.session_to(s.ref, cause="prefill")
+        last = pool.num_blocks - 1
+        await session.read(s.layout.offset(0, 0, last), s.layout.offset(0, 0, 0), 1)
+        assert not pool.array[:, :, : pool.num_blocks - 1].view(np.uint8).any()
+        pool.free(again)
+    finally:
+        hooks.release()
+        await close(s)
