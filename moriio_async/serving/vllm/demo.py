@@ -27,6 +27,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +36,9 @@ import uvicorn
 from rich.console import Console
 
 from ..report import KillReport, ModeReport, table_of
-from ..workload import make_prompts, run_load
+from ..workload import Result, make_prompts
 from . import venv
+from .client import openai_load
 from .kvtrace import Span, TraceSummary, covered, load_spans
 from .proxy import Peer, VllmProxySettings, create_vllm_proxy_app
 from .servers import Server, ServerSpec, VllmFleet, free_port
@@ -105,61 +107,73 @@ class VllmDemo:
                 return float(line.rsplit(" ", 1)[1])
         return -1.0
 
-    async def run_mode(self, mode: str, prefill: Server, decode: Server, prompts: list[str]) -> VllmModeReport:
-        a = self.args
+    @contextlib.asynccontextmanager
+    async def proxy(self, mode: str, prefill: Server, decode: Server) -> AsyncIterator[str]:
+        """The proxy for one pair, served in this process; yields its OpenAI base URL."""
         p, d = prefill.spec, decode.spec
         settings = VllmProxySettings(
             prefill=[Peer(p.url, "127.0.0.1", p.handshake_port, p.notify_port)],
             decode=[Peer(d.url, "127.0.0.1", d.handshake_port, d.notify_port)],
             mode=mode,
-            transfer_timeout=a.transfer_timeout,
+            transfer_timeout=self.args.transfer_timeout,
         )
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_vllm_proxy_app(settings), port=port, log_level="warning"))
         serving = asyncio.create_task(server.serve())
-        url = f"http://127.0.0.1:{port}"
         try:
-            while not server.started:  # noqa: ASYNC110 (uvicorn offers no event for it)
+            while not server.started:
+                if serving.done():
+                    serving.result()
                 await asyncio.sleep(0.05)
-            report = VllmModeReport(mode)
-            since = time.monotonic()
-            started = time.perf_counter()
-            load = asyncio.create_task(
-                run_load(
-                    self.client,
-                    url,
-                    str(self.model),
-                    prompts,
-                    a.max_tokens,
-                    a.concurrency,
-                    a.transfer_timeout * 4 + 60,
-                    extra=GREEDY,
-                )
-            )
-            fault = a.kill_prefill or a.stop_prefill
-            if fault:
-                report.kill = await self.inject(prefill)
-            report.results += await load  # every request must end: an answer, a retry or an error
-            if fault:
-                assert report.kill is not None
-                await self.recover(prefill, url, prompts, report, report.kill)
-            report.wall = time.perf_counter() - started
-            report.leaks = {srv.spec.name: int((await self.kv_usage(srv)) != 0.0) for srv in (prefill, decode)}
-            report.spans = load_spans(self.trace_dir, since)
-            report.trace = TraceSummary.of(report.spans)
-            for r in report.results:
-                if r.ok and r.ttft:
-                    r.kv = {"exposed_s": covered(report.spans, r.started, r.started + r.ttft)}
-            return report
+            yield f"http://127.0.0.1:{port}/v1"
         finally:
             server.should_exit = True
             await serving
 
-    async def inject(self, prefill: Server) -> KillReport:
+    def load(self, url: str, prompts: list[str], concurrency: int) -> asyncio.Task[list[Result]]:
+        a = self.args
+        timeout = a.transfer_timeout * 4 + 60
+        return asyncio.create_task(openai_load(url, str(self.model), prompts, a.max_tokens, concurrency, timeout))
+
+    async def run_phase(
+        self, mode: str, fault: str | None, prefill: Server, decode: Server, prompts: list[str]
+    ) -> VllmModeReport:
+        """One load through a fresh proxy; with ``fault`` ("killed", "stopped") the prefill server suffers it."""
+        label = mode if fault is None else f"{mode}, prefill {fault}"
+        report = VllmModeReport(label)
+        since = time.monotonic()
+        started = time.perf_counter()
+        async with self.proxy(mode, prefill, decode) as url:
+            load = self.load(url, prompts, self.args.concurrency)
+            if fault is not None:
+                report.kill = await self.inject(prefill, fault)
+            report.results += await load  # every request must end: an answer, a retry or an error
+            if fault is not None:
+                assert report.kill is not None
+                await self.recover(prefill, fault, url, prompts, report, report.kill)
+        report.wall = time.perf_counter() - started
+        report.leaks = await self.blocks_left(prefill, decode)
+        report.spans = load_spans(self.trace_dir, since)
+        report.trace = TraceSummary.of(report.spans)
+        for r in report.results:
+            if r.ok and r.ttft:
+                r.kv = {"exposed_s": covered(report.spans, r.started, r.started + r.ttft)}
+        return report
+
+    async def blocks_left(self, prefill: Server, decode: Server) -> dict[str, int]:
+        """1 for a server whose KV cache is still in use once vLLM's own timeouts have passed, else 0."""
+        deadline = time.monotonic() + 2 * self.args.transfer_timeout + 5
+        while True:
+            usage = {srv.spec.name: await self.kv_usage(srv) for srv in (prefill, decode)}
+            if all(u == 0.0 for u in usage.values()) or time.monotonic() > deadline:
+                return {name: int(u != 0.0) for name, u in usage.items()}
+            await asyncio.sleep(0.5)
+
+    async def inject(self, prefill: Server, fault: str) -> KillReport:
         """Once requests are in flight, SIGKILL the prefill server (or SIGSTOP it)."""
         kill = KillReport()
         await asyncio.sleep(0.5)
-        if self.args.stop_prefill:
+        if fault == "stopped":
             self.fleet.signal(prefill, signal.SIGSTOP)
         else:
             await self.fleet.kill(prefill)
@@ -167,19 +181,17 @@ class VllmDemo:
         return kill
 
     async def recover(
-        self, prefill: Server, url: str, prompts: list[str], report: ModeReport, kill: KillReport
+        self, prefill: Server, fault: str, url: str, prompts: list[str], report: ModeReport, kill: KillReport
     ) -> None:
         """Restart the killed server (or continue the stopped one past the timeout); it must serve again."""
-        a = self.args
-        if a.stop_prefill:
-            await asyncio.sleep(max(0.0, a.transfer_timeout + 1 - (time.perf_counter() - kill.killed_at)))
+        if fault == "stopped":
+            left = self.args.transfer_timeout + 1 - (time.perf_counter() - kill.killed_at)
+            await asyncio.sleep(max(0.0, left))
             self.fleet.signal(prefill, signal.SIGCONT)
         else:
             await self.fleet.restart(prefill)
         kill.restarted_after = time.perf_counter() - kill.killed_at
-        wave = await run_load(
-            self.client, url, str(self.model), prompts[:4], a.max_tokens, 1, a.transfer_timeout * 4 + 60, extra=GREEDY
-        )
+        wave = await self.load(url, prompts[:4], 1)
         report.results += wave
         kill.served_after_restart = sum(1 for r in wave if r.ok)
 
@@ -198,15 +210,16 @@ class VllmDemo:
         reports = []
         for mode in modes:
             p, d = pairs[mode]
-            self.err.print(f"{mode.upper()} mode: {a.requests} requests, {a.concurrency} at a time")
-            report = await self.run_mode(mode, servers[p.name], servers[d.name], prompts)
-            report.check(references, prompts, a.transfer_timeout + 1.0 + _slack(a), 1)
-            reports.append(report)
+            phases = [None] + (["killed"] if a.kill_prefill else []) + (["stopped"] if a.stop_prefill else [])
+            for fault in phases:
+                what = f", prefill {fault} mid-run" if fault else ""
+                self.err.print(f"{mode.upper()} mode{what}: {a.requests} requests, {a.concurrency} at a time")
+                report = await self.run_phase(mode, fault, servers[p.name], servers[d.name], prompts)
+                report.check(references, prompts, a.transfer_timeout + 1.0 + _slack(a), 1)
+                reports.append(report)
         title = (
             f"1P1D vLLM {venv.VLLM_VERSION} (MoRIIOConnector on moriio_async, transport {a.backend}), tiny Llama, "
             f"{a.requests} requests x {a.max_tokens} tokens, concurrency {a.concurrency}"
-            + (", prefill killed mid-run" if a.kill_prefill else "")
-            + (", prefill stopped mid-run" if a.stop_prefill else "")
         )
         self.console.print(table_of(list(reports), title))
         if a.json is not None:

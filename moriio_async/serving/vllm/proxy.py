@@ -18,11 +18,16 @@ Both legs carry one ``transfer_id``: vLLM names a request
 connector would otherwise derive two different ids from those names.
 
 Nothing reaches the client before the decode leg's first token, so an attempt
-that fails before it (a prefill server killed or stopped, a decode leg that
-errors or stays silent past ``transfer_timeout``) is retried with the next
-prefill server, up to ``max_attempts``; the losing legs are closed, which makes
-vLLM abort them. When none is left the client gets a 503 in OpenAI's error
-shape. ``GET /health``, ``GET /v1/models`` (the decode server's), ``GET /metrics``.
+that fails before it is retried with the next prefill server, up to
+``max_attempts``; the losing legs are closed, which makes vLLM abort them.
+Deadlines, each ``transfer_timeout``: for the prefill leg's answer (a killed
+server fails at once, a stopped one at this deadline), and for the decode
+leg's first token, counted from when its KV can move (READ: the decode leg's
+start, the prefill leg being done; WRITE: the prefill leg's answer, or the
+decode leg's start if that is later). A prefill server whose attempt failed
+is left out for ``transfer_timeout``, so a request never waits twice on a
+server that is down; when none is left the client gets a 503 in OpenAI's
+error shape at once. ``GET /health``, ``GET /v1/models`` (the decode server's), ``GET /metrics``.
 """
 
 from __future__ import annotations
@@ -114,6 +119,16 @@ class VllmProxy:
         self.settings, self.client, self.metrics = settings, client, metrics
         self._p = itertools.cycle(range(len(settings.prefill)))
         self._d = itertools.cycle(range(len(settings.decode)))
+        self._down_until: dict[str, float] = {}  # prefill URL -> when it may be tried again
+
+    def _next_prefill(self) -> Peer | None:
+        """The next prefill server round-robin that is not left out; None when all are."""
+        now = time.monotonic()
+        for _ in range(len(self.settings.prefill)):
+            p = self.settings.prefill[next(self._p)]
+            if self._down_until.get(p.url, 0.0) <= now:
+                return p
+        return None
 
     def _legs(self, body: dict[str, Any], p: Peer, d: Peer) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
         tid = uuid.uuid4().hex
@@ -132,10 +147,12 @@ class VllmProxy:
         return prefill, decode, {"X-Request-Id": request_id_for(p, d, tid)}
 
     async def _post_prefill(self, p: Peer, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+        timeout = self.settings.transfer_timeout
         try:
-            resp = await self.client.post(
-                f"{p.url}/v1/completions", json=body, headers=headers, timeout=self.settings.transfer_timeout
-            )
+            async with asyncio.timeout(timeout):  # one total deadline: httpx's own is per read
+                resp = await self.client.post(f"{p.url}/v1/completions", json=body, headers=headers)
+        except TimeoutError as exc:
+            raise AttemptFailed("prefill_timeout", f"prefill {p.url}: no answer within {timeout:g}s") from exc
         except httpx.HTTPError as exc:
             raise AttemptFailed("prefill_down", f"prefill {p.url}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code != 200:
@@ -176,16 +193,20 @@ class VllmProxy:
             raise AttemptFailed("decode_error", f"decode answered {resp.status_code}: {text[:300]}")
         first = asyncio.ensure_future(anext(chunks))
         waiting: set[asyncio.Future[Any]] = {first} | ({prefill} if prefill is not None else set())
-        deadline = time.monotonic() + self.settings.transfer_timeout
+        timeout = self.settings.transfer_timeout
+        deadline = time.monotonic() + timeout
         try:
             while not first.done():
+                if prefill is not None and not prefill.done():
+                    deadline = time.monotonic() + timeout  # WRITE: the KV moves once prefill answered
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AttemptFailed("timeout", f"no token within {self.settings.transfer_timeout:g}s")
+                    raise AttemptFailed("timeout", f"no token within {timeout:g}s of the KV being ready to move")
                 done, _ = await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if prefill is not None and prefill in done:
                     waiting.discard(prefill)
                     prefill.result()  # raises AttemptFailed when the prefill leg failed
+                    deadline = time.monotonic() + timeout
             try:
                 data = first.result()
             except (StopAsyncIteration, httpx.HTTPError) as exc:
@@ -199,18 +220,21 @@ class VllmProxy:
     async def open(self, body: dict[str, Any]) -> _Opened:
         errors: list[str] = []
         for attempt in range(self.settings.max_attempts):
-            p = self.settings.prefill[next(self._p)]
+            p = self._next_prefill()
+            if p is None:
+                errors.append("every prefill server failed an attempt in the last transfer_timeout")
+                break
             d = self.settings.decode[next(self._d)]
             try:
                 return await self._attempt(body, p, d)
             except AttemptFailed as exc:
                 errors.append(str(exc))
+                self._down_until[p.url] = time.monotonic() + self.settings.transfer_timeout
                 log.warning("attempt %d failed (%s): %s", attempt + 1, exc.reason, exc)
                 if attempt + 1 < self.settings.max_attempts:
                     self.metrics.retries.labels(exc.reason).inc()
-        raise ApiError(
-            503, "no prefill/decode pair could serve the request: " + " | ".join(errors), type="server_error"
-        )
+        message = "no prefill/decode pair could serve the request: " + " | ".join(errors)
+        raise ApiError(503, message, type="server_error")
 
     async def complete(self, body: dict[str, Any]) -> Response:
         started = time.monotonic()
