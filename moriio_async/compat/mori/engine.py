@@ -22,6 +22,7 @@ from moriio_async import IOEngine as AsyncEngine
 from .config import FabricBackendConfig, IOEngineConfig, RdmaBackendConfig, XgmiBackendConfig
 from .desc import EngineDesc, MemoryDesc
 from .enums import BackendType, MemoryLocationType, StatusCode
+from .loop import close_before_exit
 from .plan import check_blocks
 from .runtime import NO_BACKEND, EngineRuntime, backend_name_for
 from .session import IOEngineSession
@@ -36,6 +37,7 @@ class IOEngine:
     def __init__(self, key: str, config: IOEngineConfig | None = None) -> None:
         self._rt = EngineRuntime(key, config or IOEngineConfig())
         self._finalizer = weakref.finalize(self, self._rt.close)
+        close_before_exit(self._finalizer)
 
     # -- extras (not in MoRI-IO) -----------------------------------------------------------------
 
