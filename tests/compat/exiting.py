@@ -1,9 +1,10 @@
 """A process that exits with compat engines still open, as vLLM does: ``python -m tests.compat.exiting BACKEND MODE``.
 
-``MODE`` is ``idle`` (one engine, memory registered) or ``session`` (two engines, a session between them and
-transfers done on it). Nothing is closed by hand. What is still held (threads other than the main one, sockets,
-moriio memfds) is printed as a JSON line twice: when threading's shutdown runs its exit hooks, just before
-concurrent.futures' own (which stops every executor), and from the last ``atexit`` hook.
+``MODE`` is ``idle`` (one engine, memory registered), ``session`` (two engines, a session between them and
+transfers done on it) or ``in-flight`` (the same, then transfers left running). Nothing is closed by hand.
+What is still held (threads other than the main one, sockets, moriio memfds) is printed as a JSON line twice:
+when threading's shutdown runs its exit hooks, just before concurrent.futures' own (which stops every
+executor), and from the last ``atexit`` hook.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main(backend: str, mode: str) -> None:
     a.create_backend(BackendType.RDMA, RdmaBackendConfig(qp_per_transfer=2))
     kv_a = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)
     mem_a = a.register_torch_tensor(kv_a)
-    if mode == "session":
+    if mode in ("session", "in-flight"):
         b = IOEngine("exiting-b", config)
         b.create_backend(BackendType.RDMA, RdmaBackendConfig(qp_per_transfer=2))
         a.register_remote_engine(b.get_engine_desc())
@@ -66,6 +67,8 @@ def main(backend: str, mode: str) -> None:
         assert session.batch_write(offsets, offsets, [4096] * len(offsets)).WaitFor(10_000) is StatusCode.SUCCESS
         assert a.read(mem_a, 0, mem_b, 0, 4096).WaitFor(10_000) is StatusCode.SUCCESS
         assert held()["sockets"], "the engines hold no socket: the proof below would prove nothing"
+        if mode == "in-flight":  # left running at exit: the close aborts them
+            KEEP.extend(session.batch_write(offsets, offsets, [8192] * len(offsets)) for _ in range(64))
     KEEP.extend(locals().values())
     print("ready", flush=True)
 

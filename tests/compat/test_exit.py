@@ -14,8 +14,8 @@ import pytest
 ROOT = Path(__file__).parents[2]
 
 
-@pytest.mark.parametrize("mode", ["idle", "session"])
-@pytest.mark.parametrize("backend", ["tcp", "cma"])
+@pytest.mark.parametrize("mode", ["idle", "session", "in-flight"])
+@pytest.mark.parametrize("backend", ["tcp", "cma", "auto"])
 def test_exiting_with_engines_open_is_silent_and_releases_everything(backend: str, mode: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
