@@ -159,7 +159,15 @@ class IOEngine:
         self._inbox.close()
         self._inbound.fail_waiters(EngineClosed(f"engine {self.key!r} closed: no more inbound statuses"))
         for backend in backends:
-            await asyncio.get_running_loop().run_in_executor(None, backend.close)
+            try:
+                closing = asyncio.get_running_loop().run_in_executor(None, backend.close)
+            except RuntimeError:
+                # The interpreter is exiting: concurrent.futures' exit hook (run before ``atexit``'s, by
+                # threading's shutdown) makes every executor refuse work. Close here, blocking the loop:
+                # nothing else runs on it any more, and a backend left open keeps its threads and memfds.
+                backend.close()
+            else:
+                await closing
 
     def _require_open(self) -> Running:
         if self.closed or self._running is None:

@@ -39,12 +39,6 @@ def test_mori_io_example() -> None:
         assert f"{flow} status: success" in out, out
 
 
-def test_vllm_style_threads_example() -> None:
-    code, out = run(str(ROOT / "examples" / "vllm_style_threads.py"), "--workers", "6", "--requests", "120")
-    assert code == 0, out
-    assert "120/120 requests" in out and "0 errors, 0 corrupted" in out and "0 after it" in out, out
-
-
 def test_a_striped_batch_to_a_killed_peer_fails_and_every_wait_returns() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     peer = subprocess.Popen(

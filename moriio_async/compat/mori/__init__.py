@@ -20,7 +20,7 @@ completion reader. What differs from MoRI-IO is listed in each module's
 docstring: ``config`` (which ``RdmaBackendConfig`` fields are honoured),
 ``plan`` and ``session`` (striping, target-side status), ``runtime`` (what
 the moriio_async engine provides: uids, inbound statuses, ``alive``,
-``deregister_remote_engine``).
+``deregister_remote_engine``), ``fabric`` (fabric memory: host memory only).
 """
 
 from __future__ import annotations
@@ -29,13 +29,25 @@ from .config import FabricBackendConfig, IOEngineConfig, RdmaBackendConfig, Xgmi
 from .desc import EngineDesc, MemoryDesc
 from .engine import IOEngine
 from .enums import BackendType, MemoryLocationType, PollCqMode, StatusCode, set_log_level
+from .fabric import (
+    TORCH_DEVICE_TYPE_MAP,
+    FabricUnsupported,
+    fabric_alloc,
+    fabric_free,
+    fabric_mem_pool,
+    fabric_torch_allocator,
+    make_fabric_mem_pool,
+    use_fabric_torch_allocator,
+)
 from .session import IOEngineSession
 from .status import TransferStatus, wait_all
 
 __all__ = [
+    "TORCH_DEVICE_TYPE_MAP",
     "BackendType",
     "EngineDesc",
     "FabricBackendConfig",
+    "FabricUnsupported",
     "IOEngine",
     "IOEngineConfig",
     "IOEngineSession",
@@ -46,6 +58,12 @@ __all__ = [
     "StatusCode",
     "TransferStatus",
     "XgmiBackendConfig",
+    "fabric_alloc",
+    "fabric_free",
+    "fabric_mem_pool",
+    "fabric_torch_allocator",
+    "make_fabric_mem_pool",
     "set_log_level",
+    "use_fabric_torch_allocator",
     "wait_all",
 ]

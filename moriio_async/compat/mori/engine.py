@@ -22,6 +22,8 @@ from moriio_async import IOEngine as AsyncEngine
 from .config import FabricBackendConfig, IOEngineConfig, RdmaBackendConfig, XgmiBackendConfig
 from .desc import EngineDesc, MemoryDesc
 from .enums import BackendType, MemoryLocationType, StatusCode
+from .fabric import fabric_allocation
+from .loop import close_before_exit
 from .plan import check_blocks
 from .runtime import NO_BACKEND, EngineRuntime, backend_name_for
 from .session import IOEngineSession
@@ -36,6 +38,7 @@ class IOEngine:
     def __init__(self, key: str, config: IOEngineConfig | None = None) -> None:
         self._rt = EngineRuntime(key, config or IOEngineConfig())
         self._finalizer = weakref.finalize(self, self._rt.close)
+        close_before_exit(self._finalizer)
 
     # -- extras (not in MoRI-IO) -----------------------------------------------------------------
 
@@ -109,7 +112,7 @@ class IOEngine:
         if not isinstance(ptr, int) or ptr <= 0 or not isinstance(size, int) or size <= 0:
             raise ValueError(f"register_memory needs a non-null address and a size > 0, not ({ptr!r}, {size!r})")
         buffer = (ctypes.c_char * size).from_address(ptr)
-        return self._rt.register(buffer, device_id, None)
+        return self._rt.register(buffer, device_id, fabric_allocation(ptr, size))  # keeps a fabric_alloc mapped
 
     def register_torch_tensor(self, tensor: Any) -> MemoryDesc:
         """Register a contiguous CPU tensor (torch is not imported: anything shaped like one works).

@@ -4,22 +4,68 @@ Blocking callers cross with ``asyncio.run_coroutine_threadsafe`` (``run``) or
 ``call_soon_threadsafe`` (``call``, ``post``); the futures they wait on block
 on a lock, which releases the GIL. A call that would block on the loop from
 the loop's own thread raises instead of deadlocking.
+
+``close_before_exit`` closes what is still open when the interpreter exits,
+early enough for the close to work (vLLM never closes its engine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook before ours: see close_before_exit
+import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "new_event_loop"]
+__all__ = ["LoopThread", "close_before_exit", "new_event_loop"]
 
 T = TypeVar("T")
 log = logging.getLogger("moriio_async")
+
+_closers: list[weakref.finalize[Any, Any]] = []
+_closers_lock = threading.Lock()
+_hooked = False
+
+
+def close_before_exit(closer: weakref.finalize[Any, Any]) -> None:
+    """Call ``closer`` (if still alive) as soon as the interpreter begins to exit, newest first.
+
+    Why not ``atexit`` (where a live ``weakref.finalize`` runs): threading's shutdown runs before
+    ``atexit``, and concurrent.futures hooks into it (``threading._register_atexit``) to make every
+    executor refuse new work and to join every executor thread. An engine closed from ``atexit``
+    finds ``run_in_executor`` refusing, and a thread still busy in an executor (a queue pair being
+    connected) would hold the exit before we even start. Threading's exit hooks run in reverse order
+    of registration, and concurrent.futures.thread is imported above, so ours runs first: the close
+    runs while the loop thread, the executors and the backends' threads all still work. Non-daemon
+    threads are joined only after these hooks: one still using an engine then sees it closed.
+    """
+    global _hooked
+    with _closers_lock:
+        _closers[:] = [c for c in _closers if c.alive]
+        _closers.append(closer)
+        if _hooked:
+            return
+        _hooked = True
+    register: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return  # not CPython: the finalizer's own atexit call (and the engine's inline close) remain
+    with contextlib.suppress(RuntimeError):  # created while the interpreter was already exiting: as above
+        register(_close_all)
+
+
+def _close_all() -> None:
+    with _closers_lock:
+        closers, _closers[:] = _closers[::-1], []
+    for closer in closers:
+        try:
+            closer()
+        except Exception:
+            log.exception("moriio_async compat: closing an engine at exit failed")
 
 
 def new_event_loop(kind: str | None = None) -> asyncio.AbstractEventLoop:
@@ -52,6 +98,9 @@ class LoopThread:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(started.set)
         self.loop.run_forever()
+        # Join the loop's default executor's threads (the engine opens and closes backends there): a stopped
+        # engine leaves no thread behind, and none for concurrent.futures to join at exit.
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
 
     @staticmethod
     def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

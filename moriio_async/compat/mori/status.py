@@ -5,6 +5,16 @@ through the transfer's done callback) and read or waited on by any thread.
 ``Wait``/``WaitFor`` block on a ``threading.Condition``, which releases the
 GIL while blocked, so other Python threads run while one waits.
 
+Spinning on a check (``while status.InProgress(): pass``, MoRI-IO's own
+idiom, whose C++ checks release the GIL) would hold the GIL, so the engine's
+loop thread could finish the transfer only once per switch interval (5 ms).
+A check that finds the status not ended less than ``SPIN_GAP`` after the
+previous such check of the same status first waits up to ``SPIN_WAIT`` for
+it to end, with the GIL released: a spinning caller lets the engine progress
+and wakes as soon as the status ends; a caller that checks now and then pays
+nothing more than reading a clock (kept in the status: a thread-local would
+cost more than the check itself).
+
 ``Update`` keeps MoRI-IO's rule: once a status holds a failure, later updates
 are ignored (a success may still be overwritten by a failure through
 ``Update``, as in MoRI-IO; the runtime itself ends each status once).
@@ -18,7 +28,12 @@ from collections.abc import Callable, Iterable
 
 from .enums import ERR_BEGIN, StatusCode
 
-__all__ = ["TransferStatus", "wait_all"]
+__all__ = ["SPIN_GAP", "SPIN_WAIT", "TransferStatus", "wait_all"]
+
+SPIN_GAP = 100e-6
+"""Seconds: a check of a status not ended this soon after the previous one that found it so is a spin."""
+SPIN_WAIT = 1e-3
+"""Seconds a spinning check waits (GIL released) for the status to end before it answers."""
 
 LoopGuard = Callable[[str], None]
 """Raises when called on a thread that must not block (the engine's own loop thread)."""
@@ -32,32 +47,60 @@ class TransferStatus:
     blocking wait on the engine's own loop thread raise instead of deadlocking.
     """
 
-    __slots__ = ("_code", "_cond", "_loop_guard", "_message")
+    __slots__ = ("_checked", "_code", "_cond", "_loop_guard", "_message")
 
     def __init__(self, *, loop_guard: LoopGuard | None = None) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._code = StatusCode.INIT
         self._message = ""
         self._loop_guard = loop_guard
+        self._checked = -1.0  # when a check last found it not ended (time.perf_counter)
 
     def Code(self) -> StatusCode:
-        return self._code
+        return self._look()
 
     def Message(self) -> str:
         with self._cond:
             return self._message
 
     def Init(self) -> bool:
-        return self._code is StatusCode.INIT
+        return self._look() is StatusCode.INIT
 
     def InProgress(self) -> bool:
-        return self._code is StatusCode.IN_PROGRESS
+        return self._look() is StatusCode.IN_PROGRESS
 
     def Succeeded(self) -> bool:
-        return self._code is StatusCode.SUCCESS
+        return self._look() is StatusCode.SUCCESS
 
     def Failed(self) -> bool:
-        return self._code > ERR_BEGIN
+        return self._look() > ERR_BEGIN
+
+    def _look(self) -> StatusCode:
+        """The code; when not ended and the calling thread is spinning, after a short wait for the end."""
+        code = self._code
+        if code is not StatusCode.IN_PROGRESS and code is not StatusCode.INIT:
+            return code
+        now = time.perf_counter()
+        if now - self._checked < SPIN_GAP and not self._on_loop_thread():
+            with self._cond:
+                self._cond.wait_for(self._settled, SPIN_WAIT)
+                code = self._code
+            now = time.perf_counter()
+        self._checked = now
+        return code
+
+    def _on_loop_thread(self) -> bool:
+        """The engine's loop thread must not wait here: it is the thread that ends the status."""
+        if self._loop_guard is None:
+            return False
+        try:
+            self._loop_guard("TransferStatus check")
+        except RuntimeError:
+            return True
+        return False
+
+    def _settled(self) -> bool:
+        return self._code is not StatusCode.IN_PROGRESS and self._code is not StatusCode.INIT
 
     def Update(self, code: int, message: str) -> None:
         """Set code and message together, unless the status already holds a failure."""
