@@ -22,7 +22,19 @@ The lock rules, in one place:
 * ``tx_lock`` is held by whoever writes chunks to the socket: the sender
   thread, or a post ringing the doorbell (which only ever tries it). Chunks
   are taken from ``pending`` while holding it, so the socket sees them in
-  posting order.
+  posting order. ``tx_pending`` (a doorbell's partly sent write, holding
+  pins on the initiator's own buffer) is owned by it: parked by the doorbell
+  only while the pair is in RTS (``park``), and taken (``take_parked``) or
+  released (``drop_parked``) under it. Whoever holds it when the pair enters
+  ERR releases what is parked: the sender on its way out, a doorbell by not
+  parking, and otherwise ``fail_locked`` itself, which only tries it. So a
+  parked write never outlives its pair's failure (its pins used to, and the
+  region's deregistration then waited for them forever).
+* ``tx_io`` is held by the sender thread while one of its socket calls moves
+  the initiator's bytes, until it unpinned them. Entering ERR shuts the
+  socket down (which ends that call) and then waits for it, as for
+  ``rx_lock``: no flush is visible while a pin for a flushed request is
+  still held. Nothing takes ``lock`` while holding it.
 * ``rx_lock`` is held by the receiver while a READ response lands in local
   memory; entering ERR shuts the socket down (which ends that call) and
   then waits for it, so no byte lands after a flush is visible.
@@ -41,8 +53,9 @@ The lock rules, in one place:
   sends off a large READ response's receive measured no gain).
 * Order: ``lock`` before the CQ's lock and before a region's pin lock;
   ``tx_lock`` before ``lock`` (the sender), while ``lock`` before ``tx_lock``
-  happens only as a non-blocking try (the doorbell); nothing takes ``lock``
-  while holding ``rx_lock`` (entering ERR holds ``lock`` and waits for it).
+  happens only as a non-blocking try (the doorbell, and ``fail_locked``);
+  nothing takes ``lock`` while holding ``rx_lock`` or ``tx_io`` (entering ERR
+  holds ``lock`` and waits for them).
 """
 
 from __future__ import annotations
@@ -171,6 +184,7 @@ class PairState:
         self.recv_cv = threading.Condition(self.lock)
         self.tx_lock = threading.Lock()
         self.rx_lock = threading.Lock()
+        self.tx_io = threading.Lock()
         self.state = QpState.INIT
         self.pending: deque[Span] = deque()
         self.wire: deque[Chunk] = deque()
@@ -268,6 +282,31 @@ class PairState:
         self.complete_presets_locked()
         return True
 
+    # -- the doorbell's leftover (owned by tx_lock) -------------------------------------
+
+    def park(self, pending: PendingWrite) -> bool:
+        """Leave a doorbell's partly sent write to the sender thread (the caller holds ``tx_lock``).
+        False, parking nothing, once the pair left RTS: the caller then releases it, since the
+        sender may be gone already."""
+        with self.lock:
+            if self.state != _RTS:
+                return False
+            self.tx_pending = pending
+            self.send_cv.notify()
+            return True
+
+    def take_parked(self) -> PendingWrite | None:
+        """What a doorbell parked, now the caller's to send and release (it holds ``tx_lock``)."""
+        left, self.tx_pending = self.tx_pending, None
+        return left
+
+    def drop_parked(self) -> None:
+        """Release what is parked without sending it (the caller holds ``tx_lock``; the pair is
+        leaving RTS, so its requests are flushed)."""
+        left, self.tx_pending = self.tx_pending, None
+        if left is not None:
+            left.release()
+
     # -- completing -------------------------------------------------------------------
 
     def release_slots(self, n: int) -> None:
@@ -322,6 +361,15 @@ class PairState:
             # the shutdown makes that call return, and no flush is reported before it has.
             with self.rx_lock:
                 pass
+            # Likewise the sender may be writing a round from local memory: its pins drop before
+            # any flush is visible. (The call ended with the shutdown; this is microseconds.)
+            with self.tx_io:
+                pass
+        if self.tx_lock.acquire(blocking=False):  # nobody to release it otherwise (see the rules)
+            try:
+                self.drop_parked()
+            finally:
+                self.tx_lock.release()
         out: Completions = []
         for chunk in self.wire:
             out += self._flushes(chunk.batch, chunk.next, status, vendor, chunk.hi)
