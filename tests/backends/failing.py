@@ -14,7 +14,15 @@ from moriio_async.work import WorkCompletion
 
 from .harness import WAIT, Pair
 
-__all__ = ["BLOCK", "FAILURES", "assert_ended_once_in_rc_order", "deregisters", "own_pins", "stream_and_fail"]
+__all__ = [
+    "BLOCK",
+    "FAILURES",
+    "assert_ended_once_in_rc_order",
+    "deregisters",
+    "own_pins",
+    "returns",
+    "stream_and_fail",
+]
 
 BLOCK = 64 << 10  # what a post may send itself on tcp (the doorbell): the socket takes part of it
 FAILURES = ["target deregisters", "bad rkey", "target pair closed", "local to_error"]
@@ -23,6 +31,14 @@ FAILURES = ["target deregisters", "bad rkey", "target pair closed", "local to_er
 def own_pins(mr: MemoryRegion) -> int:
     """Pins a software NIC holds on a local region (tcp counts them; others hold none to count)."""
     return mr.pins if isinstance(mr, TcpRegion) else 0
+
+
+def returns(call: Callable[[], None]) -> bool:
+    """Run ``call`` on a thread; False if it is still running after WAIT seconds (it hangs)."""
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(WAIT)
+    return not t.is_alive()
 
 
 def deregisters(side_deregister: Callable[[MemoryRegion], None], mr: MemoryRegion) -> bool:

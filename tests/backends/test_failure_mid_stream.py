@@ -9,15 +9,18 @@ far as this pair can tell), and a local ``to_error``.
 
 from __future__ import annotations
 
+import logging
 import threading
 
+import numpy as np
 import pytest
 
-from moriio_async.backends.tcp import TcpQueuePair
-from moriio_async.status import WcStatus
+from moriio_async.backends import open_backend
+from moriio_async.backends.tcp import TcpQueuePair, TcpRegion
+from moriio_async.status import Access, WcStatus
 
-from .failing import FAILURES, assert_ended_once_in_rc_order, deregisters, own_pins, stream_and_fail
-from .harness import WAIT, PairFactory, statuses
+from .failing import FAILURES, assert_ended_once_in_rc_order, deregisters, own_pins, returns, stream_and_fail
+from .harness import WAIT, PairFactory, make_options, statuses
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,3 +71,16 @@ def test_a_doorbell_write_left_over_as_its_pair_fails_is_released(
     assert st.tx_pending is None
     assert own_pins(pair.a.mr) == 0
     assert deregisters(pair.a.deregister, pair.a.mr), "deregistering the initiator's buffer hangs"
+
+
+@pytest.mark.only_backends("tcp", reason="the TCP backend's region table at close")
+def test_closing_the_backend_returns_even_with_a_pin_left(caplog: pytest.LogCaptureFixture) -> None:
+    """A pin nothing will release (what the leaked write above left) must not make ``close`` wait
+    for ever: by then every NIC thread is joined, so no socket call can touch the buffer."""
+    backend = open_backend("tcp", make_options())
+    buf = np.zeros(4096, np.uint8)
+    mr = backend.register_memory(memoryview(buf), Access.all())
+    assert isinstance(mr, TcpRegion) and mr.pin()
+    with caplog.at_level(logging.WARNING, "moriio_async.tcp"):
+        assert returns(backend.close), "closing the backend hangs on a leaked pin"
+    assert "a leak" in caplog.text

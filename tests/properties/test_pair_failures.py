@@ -9,27 +9,16 @@ deregistering the initiator's buffer returns, and closing both backends returns.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ..backends.failing import FAILURES, assert_ended_once_in_rc_order, own_pins, stream_and_fail
-from ..backends.harness import WAIT, PairFactory, backend_names
+from ..backends.failing import FAILURES, assert_ended_once_in_rc_order, own_pins, returns, stream_and_fail
+from ..backends.harness import PairFactory, backend_names
 
 pytestmark = pytest.mark.timeout(240)
 
 SIZE = 16 << 20
-
-
-def returns(call: Callable[[], None]) -> bool:
-    """Run ``call`` on a thread; False if it is still running after WAIT seconds."""
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(WAIT)
-    return not t.is_alive()
 
 
 @pytest.mark.parametrize("backend", backend_names())

@@ -96,11 +96,16 @@ class TcpRegion(MemoryRegion):
             if not self.pins and not self.live:
                 self.drained.set()
 
-    def kill(self) -> None:
-        """Mark dead, abort the peers' socket calls on it, and wait until no socket call touches the buffer."""
+    def kill(self, wait: bool = True) -> None:
+        """Mark dead, abort the peers' socket calls on it, and wait until no socket call touches the
+        buffer (``wait=False``: once no thread that could make one is left, see ``RegionTable.clear``)."""
         with self.lock:
             self.live = False
             if not self.pins:
+                return
+            if not wait:
+                log.warning("tcp region %#x: %d pin(s) left with no socket call to end them (a leak)",
+                            self.addr, self.pins)  # fmt: skip
                 return
             only_peers = sum(self.holders.values()) == self.pins
             # Under the lock: a holder cannot unpin meanwhile, so its abort is about this region's
@@ -209,12 +214,15 @@ class RegionTable:
         found.kill()
 
     def clear(self) -> None:
+        """Forget every region, once the backend joined all its NIC threads (its ``close``): no
+        socket call can touch a buffer then, so a pin still held is a leak, logged and not waited
+        for (the wait would never end, and ``close`` would never return)."""
         with self._lock:
             regions = list(self.by_lkey.values())
             self.by_lkey.clear()
             self.by_rkey.clear()
         for region in regions:
-            region.kill()
+            region.kill(wait=False)
 
     def check_local(self, lkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
         """The initiator's checks on local SGEs (``write``: the NIC writes them, as a READ does). Pins nothing."""
