@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from moriio_async.backends import open_backend
-from moriio_async.backends.tcp import TcpQueuePair, TcpRegion
+from moriio_async.backends.tcp import Fault, Hooks, TcpQueuePair, TcpRegion
+from moriio_async.backends.tcp.wire import VendorErr
 from moriio_async.status import Access, WcStatus
 
 from .failing import FAILURES, assert_ended_once_in_rc_order, deregisters, own_pins, returns, stream_and_fail
@@ -84,3 +85,32 @@ def test_closing_the_backend_returns_even_with_a_pin_left(caplog: pytest.LogCapt
     with caplog.at_level(logging.WARNING, "moriio_async.tcp"):
         assert returns(backend.close), "closing the backend hangs on a leaked pin"
     assert "a leak" in caplog.text
+
+
+@pytest.mark.only_backends("tcp", reason="a stalled TCP target, through the backend's fault hooks")
+def test_deregistering_a_buffer_a_stalled_peer_is_being_sent_fails_the_write_instead_of_waiting(
+    pairs: PairFactory,
+) -> None:
+    """A WRITE from the initiator's buffer to a target that stopped reading: its send blocks, with the
+    buffer pinned. Deregistering the buffer used to wait for that send, i.e. for the peer (up to the
+    send timeout, renewed by every byte the peer reads); now it aborts the pair's socket call: the
+    WRITE fails LOC_PROT_ERR (LOCAL_DEREGISTERED) and the deregistration returns at once."""
+    stalled, release = threading.Event(), threading.Event()
+
+    class Stall(Hooks):
+        def on_request(self, qp_num: int, opcode: int, rkey: int, remote_addr: int, length: int) -> Fault | None:
+            stalled.set()
+            release.wait(WAIT * 4)
+            return None
+
+    size = 64 << 20  # far more than the loopback socket buffers hold: the sender's call blocks
+    pair = pairs(size, size, retry_timeout=60.0)
+    pair.b.qp.hooks = Stall()
+    try:
+        pair.a.qp.post_send([pair.write(1, 0, size, 0)])
+        assert stalled.wait(WAIT)
+        assert deregisters(pair.a.deregister, pair.a.mr), "deregistering waited for the stalled peer"
+        (wc,) = pair.waiter.wait(1)
+        assert (wc.status, wc.vendor_err) == (WcStatus.LOC_PROT_ERR, VendorErr.LOCAL_DEREGISTERED)
+    finally:
+        release.set()

@@ -200,6 +200,9 @@ class PairState:
         self.retry_timeout = 5.0
         """The silence timeout (set by the pair): also the base of a response's deadline once it came short."""
         self.closed = False
+        self.aborted = False
+        """A local region one of this pair's socket calls held was deregistered (``abort``): set
+        once, by that thread, read under ``lock`` (a stale read only changes the status reported)."""
 
     def writing(self) -> bool:
         """A round or a doorbell may be in a socket call that holds the socket's lock: no receive
@@ -336,10 +339,25 @@ class PairState:
 
     # -- the error state ----------------------------------------------------------------
 
+    def abort(self) -> None:
+        """A local region one of this pair's socket calls holds is being deregistered (the pair is
+        the pin's holder, ``regions.Abortable``): end the call now, as a peer's request is ended;
+        the pair then fails LOC_PROT_ERR. Without it the deregistration waited for the call, which
+        a peer reading slowly makes last. Called under the region's lock: no pair lock here (it
+        nests outside that one), only a flag and a shutdown."""
+        self.aborted = True
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def peer_lost(self, vendor: VendorErr) -> None:
         with self.lock:
             if self.state == _RTS:
-                self.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
+                if self.aborted:  # our own shutdown (``abort``), not the peer's doing
+                    self.fail_locked(WcStatus.LOC_PROT_ERR, VendorErr.LOCAL_DEREGISTERED)
+                else:
+                    self.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
 
     def fail(self, status: WcStatus, vendor: int) -> None:
         with self.lock:

@@ -17,8 +17,11 @@ every such holder (a socket shutdown, which ends the socket call at once
 however slowly the peer sends), then waits for the pins to drop, which is
 then as long as a woken system call takes to return. So once deregistration
 returns, no byte of the buffer is read or written again, and a peer cannot
-make it wait. Pins without a holder (the initiator's own sends and receives,
-which the engine never deregisters under) are waited for as before.
+make it wait. The initiator's own sends and receives pin with their queue pair
+as the holder: its abort shuts the pair's socket down and the pair fails
+(LOC_PROT_ERR, LOCAL_DEREGISTERED), as deregistering a region under a posted
+request fails it on a NIC; a peer reading a WRITE slowly cannot make the
+deregistration wait either. Pins without a holder are waited for.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ U64 = npt.NDArray[np.uint64]
 
 
 class Abortable(Protocol):
-    """Who holds a pin for a peer's request: can end its socket call at once, from any thread."""
+    """Who holds a pin (a responder serving a peer's request, or a pair moving the initiator's own
+    bytes): can end its socket call at once, from any thread."""
 
     def abort(self) -> None:
         """End the socket call moving this region's bytes (a shutdown); the holder then unpins.

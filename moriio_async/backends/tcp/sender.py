@@ -112,6 +112,7 @@ def _check_into(st: PairState, chunks: list[Chunk], pinned: list[Checked]) -> tu
         else:
             lkeys, addrs, lengths = batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b]
             checked = st.regions.check_local(lkeys, addrs, lengths, write=chunk.is_read)
+        checked.holder = st  # deregistering the region aborts this pair's socket call on it
         if not chunk.is_read:
             checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
             pinned.append(checked)
@@ -339,6 +340,7 @@ def ring_one_locked(st: PairState, batch: WorkBatch) -> Round | None:
     checked = st.regions.check_local_one(batch.sge_lkey.item(a), addr, size, write=is_read)
     if not checked.first_bad:
         return None
+    checked.holder = st  # deregistering the region aborts this pair's socket call on it
     if not is_read:
         checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
         if not checked.first_bad:
