@@ -22,19 +22,17 @@ The lock rules, in one place:
 * ``tx_lock`` is held by whoever writes chunks to the socket: the sender
   thread, or a post ringing the doorbell (which only ever tries it). Chunks
   are taken from ``pending`` while holding it, so the socket sees them in
-  posting order. ``tx_pending`` (a doorbell's partly sent write, holding
-  pins on the initiator's own buffer) is owned by it: parked by the doorbell
-  only while the pair is in RTS (``park``), and taken (``take_parked``) or
-  released (``drop_parked``) under it. Whoever holds it when the pair enters
-  ERR releases what is parked: the sender on its way out, a doorbell by not
-  parking, and otherwise ``fail_locked`` itself, which only tries it. So a
-  parked write never outlives its pair's failure (its pins used to, and the
-  region's deregistration then waited for them forever).
-* ``tx_io`` is held by the sender thread while one of its socket calls moves
-  the initiator's bytes, until it unpinned them. Entering ERR shuts the
-  socket down (which ends that call) and then waits for it, as for
-  ``rx_lock``: no flush is visible while a pin for a flushed request is
-  still held. Nothing takes ``lock`` while holding it.
+  posting order. It owns ``tx_pending`` (a doorbell's partly sent write,
+  pinning the initiator's buffer): parked only in RTS (``park``), taken or
+  released under it. When the pair enters ERR its holder releases what is
+  parked: the sender on its way out, a doorbell by not parking, else
+  ``fail_locked``, which only tries it. (A write parked after the sender
+  left used to keep its pins for ever, and deregistration waited on them.)
+* ``tx_io`` is held by the sender while its socket call moves local bytes,
+  until it unpinned them; entering ERR waits for it after the shutdown, as
+  for ``rx_lock``: no flush is visible while a flushed request's pin is held.
+* ``aborted`` is set once, by ``abort`` (under a region's lock, without
+  ``lock``); a stale read only changes the status reported.
 * ``rx_lock`` is held by the receiver while a READ response lands in local
   memory; entering ERR shuts the socket down (which ends that call) and
   then waits for it, so no byte lands after a flush is visible.
@@ -200,9 +198,7 @@ class PairState:
         self.retry_timeout = 5.0
         """The silence timeout (set by the pair): also the base of a response's deadline once it came short."""
         self.closed = False
-        self.aborted = False
-        """A local region one of this pair's socket calls held was deregistered (``abort``): set
-        once, by that thread, read under ``lock`` (a stale read only changes the status reported)."""
+        self.aborted = False  # a local region one of its socket calls held was deregistered
 
     def writing(self) -> bool:
         """A round or a doorbell may be in a socket call that holds the socket's lock: no receive
@@ -340,11 +336,9 @@ class PairState:
     # -- the error state ----------------------------------------------------------------
 
     def abort(self) -> None:
-        """A local region one of this pair's socket calls holds is being deregistered (the pair is
-        the pin's holder, ``regions.Abortable``): end the call now, as a peer's request is ended;
-        the pair then fails LOC_PROT_ERR. Without it the deregistration waited for the call, which
-        a peer reading slowly makes last. Called under the region's lock: no pair lock here (it
-        nests outside that one), only a flag and a shutdown."""
+        """A local region this pair's socket call holds is being deregistered (``regions.Abortable``):
+        end the call now (the pair fails LOC_PROT_ERR), rather than have deregistration wait for a
+        peer reading slowly. Called under the region's lock, so no pair lock: a flag, a shutdown."""
         self.aborted = True
         sock = self.sock
         if sock is not None:
