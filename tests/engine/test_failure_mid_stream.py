@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import threading
 
 import pytest
 
-from moriio_async import MemoryInUse, TransferError, waiting_for_transfer_complete
+from moriio_async import IOEngine, IOEngineConfig, MemoryInUse, TransferError, waiting_for_transfer_complete
+from moriio_async.backends.mock import MockBackend
 
 from .conftest import make_pair
 
@@ -48,3 +51,25 @@ async def test_a_target_failing_the_pair_mid_stream_leaves_the_initiator_free(ba
         finally:
             await asyncio.wait_for(a.close(), WAIT)
             await asyncio.wait_for(b.close(), WAIT)
+
+
+async def test_close_returns_within_its_timeout_while_a_backend_cannot_close(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend whose close is stuck (a wedged NIC thread) must not keep the engine's close from
+    returning: it is waited for ``abort_timeout``, logged, and left to finish in its thread."""
+    wedged = threading.Event()
+    real_close = MockBackend.close
+
+    def stuck_close(self: MockBackend) -> None:
+        wedged.wait(WAIT * 4)
+        real_close(self)
+
+    monkeypatch.setattr(MockBackend, "close", stuck_close)
+    engine = await IOEngine("wedged", IOEngineConfig(backend="mock", abort_timeout=0.2)).start()
+    try:
+        with caplog.at_level(logging.WARNING, "moriio_async"):
+            await engine.close()  # it never returned while the backend's close ran
+        assert "close still runs" in caplog.text
+    finally:
+        wedged.set()
