@@ -42,7 +42,8 @@ class IOEngineConfig:
     retry_timeout: float = 5.0
     """Silence after which an outstanding request fails with RETRY_EXC_ERR (TCP backend)."""
     abort_timeout: float = 10.0
-    """How long ``Session.abort`` waits for flush completions before declaring them."""
+    """How long ``Session.abort`` waits for flush completions before declaring them, and ``close``
+    for each backend to close (one that takes longer is logged and left to finish in its thread)."""
     device: str | None = None
     ib_port: int = 1
     gid_index: int | None = None

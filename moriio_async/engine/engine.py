@@ -158,16 +158,24 @@ class IOEngine:
             await running.stop()
         self._inbox.close()
         self._inbound.fail_waiters(EngineClosed(f"engine {self.key!r} closed: no more inbound statuses"))
+        loop = asyncio.get_running_loop()
         for backend in backends:
             try:
-                closing = asyncio.get_running_loop().run_in_executor(None, backend.close)
+                closing = loop.run_in_executor(None, backend.close)
             except RuntimeError:
                 # The interpreter is exiting: concurrent.futures' exit hook (run before ``atexit``'s, by
                 # threading's shutdown) makes every executor refuse work. Close here, blocking the loop:
                 # nothing else runs on it any more, and a backend left open keeps its threads and memfds.
                 backend.close()
-            else:
-                await closing
+                continue
+            # Off the loop, and bounded: a backend whose close is stuck (a NIC thread that never
+            # returns) must not keep the engine's close from returning. It goes on in its thread.
+            closing.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, if late
+            try:
+                await asyncio.wait_for(asyncio.shield(closing), self.config.abort_timeout)
+            except TimeoutError:
+                log.warning("engine %r: the %s backend's close still runs after %gs; left to finish in its thread",
+                            self.key, backend.name, self.config.abort_timeout)  # fmt: skip
 
     def _require_open(self) -> Running:
         if self.closed or self._running is None:

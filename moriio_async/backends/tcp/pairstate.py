@@ -22,7 +22,17 @@ The lock rules, in one place:
 * ``tx_lock`` is held by whoever writes chunks to the socket: the sender
   thread, or a post ringing the doorbell (which only ever tries it). Chunks
   are taken from ``pending`` while holding it, so the socket sees them in
-  posting order.
+  posting order. It owns ``tx_pending`` (a doorbell's partly sent write,
+  pinning the initiator's buffer): parked only in RTS (``park``), taken or
+  released under it. When the pair enters ERR its holder releases what is
+  parked: the sender on its way out, a doorbell by not parking, else
+  ``fail_locked``, which only tries it. (A write parked after the sender
+  left used to keep its pins for ever, and deregistration waited on them.)
+* ``tx_io`` is held by the sender while its socket call moves local bytes,
+  until it unpinned them; entering ERR waits for it after the shutdown, as
+  for ``rx_lock``: no flush is visible while a flushed request's pin is held.
+* ``aborted`` is set once, by ``abort`` (under a region's lock, without
+  ``lock``); a stale read only changes the status reported.
 * ``rx_lock`` is held by the receiver while a READ response lands in local
   memory; entering ERR shuts the socket down (which ends that call) and
   then waits for it, so no byte lands after a flush is visible.
@@ -41,8 +51,9 @@ The lock rules, in one place:
   sends off a large READ response's receive measured no gain).
 * Order: ``lock`` before the CQ's lock and before a region's pin lock;
   ``tx_lock`` before ``lock`` (the sender), while ``lock`` before ``tx_lock``
-  happens only as a non-blocking try (the doorbell); nothing takes ``lock``
-  while holding ``rx_lock`` (entering ERR holds ``lock`` and waits for it).
+  happens only as a non-blocking try (the doorbell, and ``fail_locked``);
+  nothing takes ``lock`` while holding ``rx_lock`` or ``tx_io`` (entering ERR
+  holds ``lock`` and waits for them).
 """
 
 from __future__ import annotations
@@ -171,6 +182,7 @@ class PairState:
         self.recv_cv = threading.Condition(self.lock)
         self.tx_lock = threading.Lock()
         self.rx_lock = threading.Lock()
+        self.tx_io = threading.Lock()
         self.state = QpState.INIT
         self.pending: deque[Span] = deque()
         self.wire: deque[Chunk] = deque()
@@ -186,6 +198,7 @@ class PairState:
         self.retry_timeout = 5.0
         """The silence timeout (set by the pair): also the base of a response's deadline once it came short."""
         self.closed = False
+        self.aborted = False  # a local region one of its socket calls held was deregistered
 
     def writing(self) -> bool:
         """A round or a doorbell may be in a socket call that holds the socket's lock: no receive
@@ -268,6 +281,31 @@ class PairState:
         self.complete_presets_locked()
         return True
 
+    # -- the doorbell's leftover (owned by tx_lock) -------------------------------------
+
+    def park(self, pending: PendingWrite) -> bool:
+        """Leave a doorbell's partly sent write to the sender thread (the caller holds ``tx_lock``).
+        False, parking nothing, once the pair left RTS: the caller then releases it, since the
+        sender may be gone already."""
+        with self.lock:
+            if self.state != _RTS:
+                return False
+            self.tx_pending = pending
+            self.send_cv.notify()
+            return True
+
+    def take_parked(self) -> PendingWrite | None:
+        """What a doorbell parked, now the caller's to send and release (it holds ``tx_lock``)."""
+        left, self.tx_pending = self.tx_pending, None
+        return left
+
+    def drop_parked(self) -> None:
+        """Release what is parked without sending it (the caller holds ``tx_lock``; the pair is
+        leaving RTS, so its requests are flushed)."""
+        left, self.tx_pending = self.tx_pending, None
+        if left is not None:
+            left.release()
+
     # -- completing -------------------------------------------------------------------
 
     def release_slots(self, n: int) -> None:
@@ -297,10 +335,23 @@ class PairState:
 
     # -- the error state ----------------------------------------------------------------
 
+    def abort(self) -> None:
+        """A local region this pair's socket call holds is being deregistered (``regions.Abortable``):
+        end the call now (the pair fails LOC_PROT_ERR), rather than have deregistration wait for a
+        peer reading slowly. Called under the region's lock, so no pair lock: a flag, a shutdown."""
+        self.aborted = True
+        sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def peer_lost(self, vendor: VendorErr) -> None:
         with self.lock:
             if self.state == _RTS:
-                self.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
+                if self.aborted:  # our own shutdown (``abort``), not the peer's doing
+                    self.fail_locked(WcStatus.LOC_PROT_ERR, VendorErr.LOCAL_DEREGISTERED)
+                else:
+                    self.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
 
     def fail(self, status: WcStatus, vendor: int) -> None:
         with self.lock:
@@ -322,6 +373,15 @@ class PairState:
             # the shutdown makes that call return, and no flush is reported before it has.
             with self.rx_lock:
                 pass
+            # Likewise the sender may be writing a round from local memory: its pins drop before
+            # any flush is visible. (The call ended with the shutdown; this is microseconds.)
+            with self.tx_io:
+                pass
+        if self.tx_lock.acquire(blocking=False):  # nobody to release it otherwise (see the rules)
+            try:
+                self.drop_parked()
+            finally:
+                self.tx_lock.release()
         out: Completions = []
         for chunk in self.wire:
             out += self._flushes(chunk.batch, chunk.next, status, vendor, chunk.hi)

@@ -17,8 +17,11 @@ every such holder (a socket shutdown, which ends the socket call at once
 however slowly the peer sends), then waits for the pins to drop, which is
 then as long as a woken system call takes to return. So once deregistration
 returns, no byte of the buffer is read or written again, and a peer cannot
-make it wait. Pins without a holder (the initiator's own sends and receives,
-which the engine never deregisters under) are waited for as before.
+make it wait. The initiator's own sends and receives pin with their queue pair
+as the holder: its abort shuts the pair's socket down and the pair fails
+(LOC_PROT_ERR, LOCAL_DEREGISTERED), as deregistering a region under a posted
+request fails it on a NIC; a peer reading a WRITE slowly cannot make the
+deregistration wait either. Pins without a holder are waited for.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ U64 = npt.NDArray[np.uint64]
 
 
 class Abortable(Protocol):
-    """Who holds a pin for a peer's request: can end its socket call at once, from any thread."""
+    """Who holds a pin (a responder serving a peer's request, or a pair moving the initiator's own
+    bytes): can end its socket call at once, from any thread."""
 
     def abort(self) -> None:
         """End the socket call moving this region's bytes (a shutdown); the holder then unpins.
@@ -96,11 +100,16 @@ class TcpRegion(MemoryRegion):
             if not self.pins and not self.live:
                 self.drained.set()
 
-    def kill(self) -> None:
-        """Mark dead, abort the peers' socket calls on it, and wait until no socket call touches the buffer."""
+    def kill(self, wait: bool = True) -> None:
+        """Mark dead, abort the peers' socket calls on it, and wait until no socket call touches the
+        buffer (``wait=False``: once no thread that could make one is left, see ``RegionTable.clear``)."""
         with self.lock:
             self.live = False
             if not self.pins:
+                return
+            if not wait:
+                log.warning("tcp region %#x: %d pin(s) left with no socket call to end them (a leak)",
+                            self.addr, self.pins)  # fmt: skip
                 return
             only_peers = sum(self.holders.values()) == self.pins
             # Under the lock: a holder cannot unpin meanwhile, so its abort is about this region's
@@ -209,12 +218,15 @@ class RegionTable:
         found.kill()
 
     def clear(self) -> None:
+        """Forget every region, once the backend joined all its NIC threads (its ``close``): no
+        socket call can touch a buffer then, so a pin still held is a leak, logged and not waited
+        for (the wait would never end, and ``close`` would never return)."""
         with self._lock:
             regions = list(self.by_lkey.values())
             self.by_lkey.clear()
             self.by_rkey.clear()
         for region in regions:
-            region.kill()
+            region.kill(wait=False)
 
     def check_local(self, lkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
         """The initiator's checks on local SGEs (``write``: the NIC writes them, as a READ does). Pins nothing."""

@@ -112,6 +112,7 @@ def _check_into(st: PairState, chunks: list[Chunk], pinned: list[Checked]) -> tu
         else:
             lkeys, addrs, lengths = batch.sge_lkey[a:b], batch.sge_addr[a:b], batch.sge_length[a:b]
             checked = st.regions.check_local(lkeys, addrs, lengths, write=chunk.is_read)
+        checked.holder = st  # deregistering the region aborts this pair's socket call on it
         if not chunk.is_read:
             checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
             pinned.append(checked)
@@ -244,40 +245,54 @@ def next_round(st: PairState, max_bytes: int) -> Round | None:
 
 
 def send_loop(st: PairState, sock: socket.socket) -> None:
+    """The sender thread: what a doorbell parked, then rounds, until the pair leaves RTS; then
+    whatever is still parked is released here (its requests are flushed by the failure)."""
+    try:
+        _send_rounds(st, sock)
+    finally:
+        with st.tx_lock:
+            st.drop_parked()
+
+
+def _send_rounds(st: PairState, sock: socket.socket) -> None:
     fd = sock.fileno()
     while True:
         with st.lock:
-            while not st.pending and st.tx_pending is None and st.state == _RTS and not st.send_stopped:
+            # After a local failure nothing new is sent (the pair enters ERR when it reaches the
+            # head), but a write a doorbell parks meanwhile still goes out: the requests before
+            # the failure are in it. So the thread lives until the pair leaves RTS.
+            while st.state == _RTS and st.tx_pending is None and (st.send_stopped or not st.pending):
                 st.send_cv.wait()
-            if st.state != _RTS or (st.send_stopped and st.tx_pending is None):
-                return  # after a local failure the pair enters ERR when it reaches the head
+            if st.state != _RTS:
+                return
         with st.tx_lock:
-            rnd: Round | None = None
             try:
-                left, st.tx_pending = st.tx_pending, None
+                left = st.take_parked()
                 if left is not None:  # what a doorbell could not write without blocking goes first
-                    try:
-                        if left.buffers is not None:
-                            send_buffers(sock, left.buffers, left.left)
-                        elif left.iov is not None:
-                            send_all(fd, left.iov, left.left, left.start)
-                    finally:
-                        left.release()
+                    with st.tx_io:
+                        try:
+                            if left.buffers is not None:
+                                send_buffers(sock, left.buffers, left.left)
+                            elif left.iov is not None:
+                                send_all(fd, left.iov, left.left, left.start)
+                        finally:
+                            left.release()
                 rnd = next_round(st, ROUND_BYTES)
                 if rnd is not None:
-                    if rnd.buffers is not None:
-                        send_buffers(sock, rnd.buffers, rnd.total)
-                    elif rnd.iov is not None:
-                        send_all(fd, rnd.iov, rnd.total)
+                    with st.tx_io:
+                        try:
+                            if rnd.buffers is not None:
+                                send_buffers(sock, rnd.buffers, rnd.total)
+                            elif rnd.iov is not None:
+                                send_all(fd, rnd.iov, rnd.total)
+                        finally:
+                            rnd.unpin()
             except Drop:
                 st.peer_lost(VendorErr.HOOK)
                 return
             except PeerGone as exc:
                 st.peer_lost(exc.vendor)
                 return
-            finally:
-                if rnd is not None:
-                    rnd.unpin()
 
 
 def ring_locked(st: PairState) -> Round | None:
@@ -325,6 +340,7 @@ def ring_one_locked(st: PairState, batch: WorkBatch) -> Round | None:
     checked = st.regions.check_local_one(batch.sge_lkey.item(a), addr, size, write=is_read)
     if not checked.first_bad:
         return None
+    checked.holder = st  # deregistering the region aborts this pair's socket call on it
     if not is_read:
         checked.pin(VendorErr.LOCAL_DEREGISTERED)  # held while the payload is on its way out
         if not checked.first_bad:
@@ -379,6 +395,5 @@ def ring(st: PairState, sock: socket.socket, rnd: Round) -> None:
         assert rnd.iov is not None
         start = advance(rnd.iov, 0, sent)
         pending = PendingWrite(rnd.iov, None, start, rnd.total - sent, rnd.unpin, rnd.heads)
-    with st.lock:
-        st.tx_pending = pending
-        st.send_cv.notify()
+    if not st.park(pending):
+        pending.release()  # the pair failed meanwhile: its requests are flushed, the sender may be gone
