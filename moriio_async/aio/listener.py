@@ -11,6 +11,11 @@ attach to), and ``close`` waits for those tasks instead of cancelling them.
 It is also the one place where accepting can be paused or capped: ``admit``
 is asked about every connection before anything is allocated for it, and a
 refused one gets one ``error`` frame (reason ``busy``) and is closed at once.
+Before each accept ``has_room`` is asked too: when it says no (every
+connection the owner lets be in its hello is young yet), nothing is accepted
+for ``_FULL_RETRY``: new connections wait in the kernel's backlog (a timer,
+never a sleep on the loop), which pushes back on a burst instead of
+refusing honest dialers.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Callable
 
 from ..core.protocol import Refused, encode
 
-__all__ = ["Admit", "Listener"]
+__all__ = ["Admit", "HasRoom", "Listener"]
 
 log = logging.getLogger("moriio_async")
 
@@ -39,14 +44,26 @@ The pending counts are connections accepted and not yet handed to ``on_connectio
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _RETRY_AFTER = 1.0
 """Seconds without accepting after the process ran out of fds (as asyncio's own accept loop does)."""
+_FULL_RETRY = 0.05
+"""Seconds without accepting while ``has_room`` says no."""
+HasRoom = Callable[[int], bool]
+"""``has_room(pending in all)``: may one more connection be accepted now (the owner may make room)?"""
 
 
 class Listener:
     """Listens on ``host:port`` and hands every connection, as streams, to ``on_connection``."""
 
-    def __init__(self, on_connection: OnConnection, *, admit: Admit | None = None, backlog: int = 128) -> None:
+    def __init__(
+        self,
+        on_connection: OnConnection,
+        *,
+        admit: Admit | None = None,
+        has_room: HasRoom | None = None,
+        backlog: int = 128,
+    ) -> None:
         self._on_connection = on_connection
         self._admit = admit
+        self._has_room = has_room
         self._pending: Counter[str] = Counter()
         self._backlog = backlog
         self._sockets: list[socket.socket] = []
@@ -92,6 +109,8 @@ class Listener:
     def _watch(self) -> None:
         assert self._loop is not None
         self._retry = None
+        if self.closed:
+            return
         for sock in self._sockets:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
@@ -102,7 +121,18 @@ class Listener:
 
     def _accept(self, sock: socket.socket) -> None:
         assert self._loop is not None
+        if self._retry is not None or self.closed:  # paused by another listening socket's callback just now
+            return
         for _ in range(self._backlog):
+            try:
+                full = self._has_room is not None and not self._has_room(self._pending.total())
+            except Exception:  # the owner's bug: accept as if there were no such check
+                log.exception("control listener: has_room failed")
+                full = False
+            if full:
+                self._unwatch()
+                self._retry = self._loop.call_later(_FULL_RETRY, self._watch)
+                return
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):

@@ -75,7 +75,7 @@ class IOEngine:
         self._inbox = self._new_inbox()
         self._inbound = InboundStatuses(self.config.max_inbound_statuses)
         self._uids = TransferUids()
-        self._guard = Guard()
+        self._guard = Guard(max_failures=self.config.max_failures_per_source, lockout=self.config.failure_lockout)
         self._port = 0
         self.loop: asyncio.AbstractEventLoop
 
@@ -377,6 +377,9 @@ class IOEngine:
             "auth_failures": guard.auth_failures,
             "impersonations": guard.impersonations,
             "access_errors": guard.access_errors,
+            "evicted_hellos": guard.evicted_hellos,
+            "lockouts": guard.lockouts,
+            "locked_out": guard.locked_out,
             "suppressed_log_lines": self._guard.suppressed,
             "data_plane": running.transports.data_plane() if running is not None else {},
         }

@@ -2,8 +2,14 @@
 
 Every line a peer can provoke goes through a ``RateLimitedLog`` keyed on the
 remote address (one WARNING per address per interval, the next one saying
-how many were held back), so a peer that sends a thousand bad frames or
-rogue hellos costs a line, never a traceback.
+how many were held back; and a few per interval from all addresses together,
+then one "N more suppressed" line), so a peer that sends a thousand bad
+frames or rogue hellos, from one address or a thousand, costs a few lines,
+never a traceback.
+
+A failed proof is also charged to its source's ``FailureBudget``: past
+``max_failures_per_source`` within ``failure_lockout``, the listener refuses
+that source's connections at accept (``locked_out``) until the lockout ends.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..core.budget import FailureBudget, source_of
 from ..core.ratelog import RateLimitedLog
 
 __all__ = ["ControlCounters", "Guard"]
@@ -41,14 +48,29 @@ class ControlCounters:
     """Of those, the hellos that named an engine this one knows, and failed to prove or were older than it."""
     access_errors: dict[str, int]
     """Remote access errors per peer key (fed by the data plane)."""
+    evicted_hellos: int = 0
+    """Connections still in their hello closed to make room for newer ones (``max_hellos``, the link caps)."""
+    lockouts: int = 0
+    """Sources locked out for failing too many proofs (``max_failures_per_source``)."""
+    locked_out: int = 0
+    """Connections refused at accept because their source was locked out."""
 
 
 class Guard:
     """Counters and rate-limited lines for what peers do wrong; one per engine."""
 
-    def __init__(self, logger: logging.Logger = log, *, interval: float = 10.0) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger = log,
+        *,
+        interval: float = 10.0,
+        max_failures: int = 16,
+        lockout: float = 30.0,
+    ) -> None:
         self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
         self._info = RateLimitedLog(logger, logging.INFO, interval=interval)
+        self._budget = FailureBudget(max_failures, lockout)
+        self.evicted_hellos = 0
         self.refused_links = 0
         self.idle_closed = 0
         self.bad_frames = 0
@@ -61,6 +83,22 @@ class Guard:
     def suppressed(self) -> int:
         """Lines held back by the rate limits so far."""
         return self._warn.suppressed + self._info.suppressed
+
+    def locked_out(self, host: str) -> bool:
+        """``host``'s source failed too many proofs lately: refuse its connection (counted, rate-limited line)."""
+        if not self._budget.locked(source_of(host)):
+            return False
+        self.refused_links += 1
+        self._warn.log(
+            f"locked:{host}", "control listener: refused a connection from %s: locked out for failed proofs", host
+        )
+        return True
+
+    def evicted(self, count: int) -> None:
+        """``count`` connections in their hello were closed to make room for newer ones."""
+        if count:
+            self.evicted_hellos += count
+            log.debug("control listener: closed %d connection(s) still in their hello to make room", count)
 
     def refused_link(self, host: str, why: str) -> None:
         self.refused_links += 1
@@ -83,6 +121,8 @@ class Guard:
         self.auth_failures += auth
         self.impersonations += impersonation
         what = "impersonation attempt" if impersonation else "authentication failed" if auth else "hello refused"
+        if auth and self._budget.fail(source_of(host)):
+            why = f"{why} (this source is now locked out for {self._budget.lockout:g}s: too many failed proofs)"
         self._warn.log(f"hello:{host}", "control handshake from %s: %s: %s", address, what, why)
 
     def dropped_notice(self, host: str, address: str, what: str, why: str) -> None:
@@ -104,4 +144,7 @@ class Guard:
             self.auth_failures,
             self.impersonations,
             dict(self._access_errors),
+            self.evicted_hellos,
+            self._budget.lockouts,
+            self._budget.refused,
         )

@@ -11,6 +11,18 @@ that link closes.
 Limits kept here: accepted links in all and per remote address (``admit``),
 answering pairs per link (``reserve_answering``), and the idle time of a
 link that carries nothing (``idle``).
+
+Before its hello completes, an accepted link has proved nothing, so it may
+not keep out one that can: at most ``max_hellos`` of them at once (and
+``max_hellos_per_address`` from one address), below ``max_links``, so the rest
+is a reserve for links whose hello completed. A new connection over any of
+these caps closes the oldest link still in its hello that counts against the
+cap (``evict``: one that has not even sent a whole message first) instead of
+being refused; only links that completed their hello are never closed to
+make room. A silent or trickling client thus holds its place for at most
+``hello_timeout``, and only until newer connections need the room: a flood
+of them from any number of addresses delays a legitimate hello by the time
+it takes to arrive, never for good.
 """
 
 from __future__ import annotations
@@ -48,11 +60,27 @@ class LinkLimits:
     max_links_per_address: int
     idle_timeout: float
     max_answering_per_link: int
+    hello_timeout: float = 5.0
+    max_hellos: int = 128
+    max_hellos_per_address: int = 32
+
+    @property
+    def hello_deadline(self) -> float:
+        """Seconds an accepted link has for its whole hello (proof included)."""
+        return min(self.hello_timeout, self.timeout)
+
+    @property
+    def hello_grace(self) -> float:
+        """Seconds a link in its hello is safe from being closed to make room: an honest dialer sends its
+        hello at once, so only one that had this long (half its deadline) and still did not finish goes first."""
+        return self.hello_deadline / 2
 
 
 @dataclass(eq=False, slots=True)
 class _LinkState:
     accepted: bool
+    opened_at: float = 0.0
+    """Loop time of the accept (the link's ``last_activity`` moves on once a whole message arrived)."""
     desc: EngineDesc | None = None
     """Who said hello on the link (None while the handshake runs)."""
     session_key: bytes | None = None
@@ -77,6 +105,11 @@ class LinkRegistry:
         """Every answering pair not closed yet: the link it was asked for on, the engine that asked."""
         self._accepted: Counter[str] = Counter()
         """Accepted links per remote address."""
+        self._hellos: dict[ControlLink, _LinkState] = {}
+        """Accepted links whose hello has not completed, oldest first."""
+        self._hellos_from: Counter[str] = Counter()
+        self.evicted = 0
+        """Links in their hello closed to make room for a newer connection."""
 
     def __len__(self) -> int:
         return len(self._links)
@@ -88,26 +121,77 @@ class LinkRegistry:
 
     # -- admission ---------------------------------------------------------------------------------
 
-    def admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
-        """Why a new connection from ``host`` is refused (the link caps), or None to accept it."""
+    @property
+    def in_hello(self) -> int:
+        """Accepted links whose hello has not completed."""
+        return len(self._hellos)
+
+    def make_room(self, pending: int) -> bool:
+        """Room for one more connection in its hello (``pending``: accepted, not yet open here)? At the
+        cap, the first of the links in their hello for ``hello_grace`` goes (``evict``); if every one is
+        younger, False: the listener leaves new connections in the kernel's backlog for a moment."""
         limits = self.limits
-        if self._accepted.total() + pending >= limits.max_links:
-            return f"this engine holds its maximum of {limits.max_links} accepted control links (max_links)"
-        if self._accepted[host] + pending_from_host >= limits.max_links_per_address:
-            return (
-                f"this engine holds its maximum of {limits.max_links_per_address} control links from {host} "
-                "(max_links_per_address)"
-            )
+        while len(self._hellos) + pending >= min(limits.max_hellos, limits.max_links):
+            if not self._evict(None, grace=True):
+                return False
+        return True
+
+    def admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
+        """Why a new connection from ``host`` is refused (the link caps), or None to accept it.
+
+        Over ``max_hellos_per_address``, the first of that address's links in their hello for
+        ``hello_grace`` is closed (a burst of honest dialers from one address is not cut short: the global
+        cap, ``make_room``, bounds those). At the link caps, a link in its hello (however young) makes room;
+        only when none does is the new connection refused.
+        """
+        limits = self.limits
+        if self._hellos_from[host] + pending_from_host >= limits.max_hellos_per_address:
+            self._evict(host, grace=True)
+        while self._accepted.total() + pending >= limits.max_links:
+            if not self._evict(None, grace=False):
+                return f"this engine holds its maximum of {limits.max_links} accepted control links (max_links)"
+        while self._accepted[host] + pending_from_host >= limits.max_links_per_address:
+            if not self._evict(host, grace=False):
+                return (
+                    f"this engine holds its maximum of {limits.max_links_per_address} control links from "
+                    f"{host} (max_links_per_address)"
+                )
         return None
+
+    def _evict(self, host: str | None, *, grace: bool) -> bool:
+        """Close the link in its hello that goes first (from ``host``, or any; with ``grace``, of those in
+        their hello for ``hello_grace`` at least): the oldest that has not sent a whole message, else the
+        oldest. False if there is none."""
+        candidates = [link for link in self._hellos if host is None or link.peer_host == host]
+        if grace:
+            ripe = asyncio.get_running_loop().time() - self.limits.hello_grace
+            candidates = [link for link in candidates if self._hellos[link].opened_at <= ripe]
+        if not candidates:
+            return False
+        silent = (link for link in candidates if link.last_activity <= self._hellos[link].opened_at)
+        victim = next(silent, candidates[0])
+        self.evicted += 1
+        victim.close()  # on_link_closed -> forget: the counts drop now
+        if victim in self._hellos:  # a handler that did not forget it: never loop on it
+            self._drop_hello(victim)
+        return True
+
+    def _drop_hello(self, link: ControlLink) -> None:
+        if self._hellos.pop(link, None) is not None:
+            self._hellos_from[link.peer_host] -= 1
+            if self._hellos_from[link.peer_host] <= 0:
+                del self._hellos_from[link.peer_host]
 
     def open(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: LinkHandler, *, accepted: bool
     ) -> ControlLink:
         """A new link over a fresh connection; it stays here until it closes (``handler.on_link_closed``)."""
         link = ControlLink(reader, writer, handler, max_frame=self.limits.max_frame, timeout=self.limits.timeout)
-        self._links[link] = _LinkState(accepted)
+        state = self._links[link] = _LinkState(accepted, link.last_activity)
         if accepted:
             self._accepted[link.peer_host] += 1
+            self._hellos[link] = state
+            self._hellos_from[link.peer_host] += 1
         return link
 
     def bind(self, link: ControlLink, desc: EngineDesc, session_key: bytes | None) -> bool:
@@ -117,6 +201,7 @@ class LinkRegistry:
             return False
         state.desc = desc
         state.session_key = session_key
+        self._drop_hello(link)  # its hello completed: no longer one that may be closed to make room
         return True
 
     # -- who is on which link ----------------------------------------------------------------------
@@ -246,6 +331,7 @@ class LinkRegistry:
         state = self._links.pop(link, None)
         if state is None:
             return None
+        self._drop_hello(link)
         if state.accepted:
             self._accepted[link.peer_host] -= 1
             if self._accepted[link.peer_host] <= 0:

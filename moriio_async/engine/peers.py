@@ -92,7 +92,7 @@ class PeerTable:
         )  # fmt: skip
         self.dropped_done = 0
         """``done`` notices not sent: no open link to their peer, or its link held ``DONE_BACKLOG`` unsent."""
-        self._listener = Listener(self._on_accept, admit=self._admit)
+        self._listener = Listener(self._on_accept, admit=self._admit, has_room=self._has_room)
         self._handshakes: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._local: EngineDesc | None = None
@@ -279,8 +279,18 @@ class PeerTable:
             raise
         return link, welcome
 
+    def _has_room(self, pending: int) -> bool:
+        evicted = self._links.evicted
+        room = self._links.make_room(pending)
+        self._guard.evicted(self._links.evicted - evicted)
+        return room
+
     def _admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
+        if self._guard.locked_out(host):
+            return "this source failed too many proofs lately and is locked out (max_failures_per_source)"
+        evicted = self._links.evicted
         why = self._links.admit(host, pending_from_host, pending)
+        self._guard.evicted(self._links.evicted - evicted)
         if why is not None:
             self._guard.refused_link(host, why)
         return why
@@ -296,7 +306,7 @@ class PeerTable:
 
     async def _answer_hello(self, link: ControlLink) -> None:
         """The listener's side of the hello, within one deadline; the link changes nothing unless it is welcome."""
-        timeout = self._links.limits.timeout
+        timeout = self._links.limits.hello_deadline  # short: nothing is proved yet (``links``)
         reply_to: int | None = None
         try:
             async with asyncio.timeout(timeout):

@@ -13,11 +13,19 @@ only the engine that proved the secret on that link can compute it, and it
 never crosses the control link; without one, 16 random bytes sent over the
 (unauthenticated) control link, as before.
 
-The hello must arrive whole within ``connect_timeout`` of the accept, however
-its bytes are spaced; at most ``BackendOptions.max_data_hellos`` connections may be in their
-hello at once (more are closed at once). A hello with an unknown or used
-token, a bad magic or version, or too slow, is refused, counted and logged
-at a rate-limited WARNING (``DataGuard``).
+The hello must arrive whole within ``hello_timeout`` (at most
+``connect_timeout``) of the accept, however its bytes are spaced. At most
+``BackendOptions.max_data_hellos`` connections may be in their hello at once,
+and ``max_data_hellos_per_address`` from one address: one more closes the
+oldest one in its hello that counts against the cap (its socket is shut
+down, which wakes its thread), so silent or trickling connections from any
+number of addresses can delay a real dial only by the time its hello takes
+to arrive. A connection leaves that set as soon as its hello bytes are all
+in, before its token is looked up: one that got that far is never closed to
+make room. A hello with an unknown or used token, a bad magic or version,
+or too slow, is refused, counted and logged at a rate-limited WARNING
+(``DataGuard``); unknown tokens are failed guesses charged to their source,
+and a source over its budget is refused at accept until its lockout ends.
 """
 
 from __future__ import annotations
@@ -37,11 +45,11 @@ from .wire import HELLO, HELLO_ACK, MAGIC, VERSION, HelloStatus, PeerGone, Vendo
 
 __all__ = ["Listener", "dial"]
 
-"""Accepted connections that may be in their hello at once (each holds a thread until it is done)."""
-
 log = logging.getLogger("moriio_async.tcp")
 
 _WILDCARDS = ("", "0.0.0.0", "::")
+_FULL_RETRY = 0.05
+"""Seconds the accept thread waits while every connection in its hello is too young to be closed."""
 
 
 class Listener:
@@ -52,7 +60,8 @@ class Listener:
         self.guard = guard
         self._lock = threading.Lock()
         self._closed = False
-        self._in_hello = 0
+        self._hellos: dict[Responder, tuple[str, float]] = {}
+        """Connections in their hello (each holds a thread), oldest first: remote address, accept time."""
         self._waiting: dict[bytes, PairState] = {}  # token -> passive pair expecting a dial
         self._threads: dict[Responder, threading.Thread] = {}
         family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
@@ -106,6 +115,8 @@ class Listener:
 
     def _accept_loop(self) -> None:
         while True:
+            if not self._wait_for_room():
+                return
             try:
                 conn, _addr = self._sock.accept()
             except OSError as exc:
@@ -113,6 +124,10 @@ class Listener:
                     return
                 log.warning("tcp backend port %d: accept failed: %s", self.port, exc)
                 time.sleep(0.05)  # e.g. EMFILE: do not spin
+                continue
+            host = _host(conn)
+            if self.guard.locked(host):  # refused before a thread is spent on it
+                conn.close()
                 continue
             responder = Responder(conn, self.guard, self.options.retry_timeout)
             thread = threading.Thread(target=self._connection, args=(responder,), daemon=True,
@@ -122,17 +137,56 @@ class Listener:
                 if self._closed:
                     conn.close()
                     return
-                busy = self._in_hello >= self.options.max_data_hellos
-                if not busy:
-                    self._in_hello += 1
-                    self._threads[responder] = thread
-            if busy:
-                self.guard.refused_connection(
-                    _host(conn), f"{self.options.max_data_hellos} connections are in their hello already"
-                )
-                conn.close()
-                continue
+                evicted = self._make_room(host)
+                self._hellos[responder] = (host, time.monotonic())
+                self._threads[responder] = thread
+            for victim, victim_host in evicted:
+                victim.stop()  # wakes its thread, which finds it was evicted and leaves
+                self.guard.evicted_hello(victim_host)
             thread.start()
+
+    @property
+    def _hello_deadline(self) -> float:
+        return min(self.options.hello_timeout, self.options.connect_timeout)
+
+    def _ripe(self, now: float) -> list[Responder]:
+        """Connections in their hello for half of its deadline at least, oldest first: an honest dialer
+        sends its hello at once, so only these may be closed to make room."""
+        ripe = now - self._hello_deadline / 2
+        return [r for r, (_, since) in self._hellos.items() if since <= ripe]
+
+    def _wait_for_room(self) -> bool:
+        """Before an accept: at the cap, close the oldest ripe connection in its hello; while every one is
+        younger, wait (new connections stay in the kernel's backlog). False once the listener closed."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return False
+                if len(self._hellos) < self.options.max_data_hellos:
+                    return True
+                ripe = self._ripe(time.monotonic())
+                victim = ripe[0] if ripe else None
+                host = self._hellos.pop(victim)[0] if victim is not None else ""
+            if victim is None:
+                time.sleep(_FULL_RETRY)  # the accept thread's own wait: nothing else runs on it
+                continue
+            victim.stop()  # wakes its thread, which finds it was evicted and leaves
+            self.guard.evicted_hello(host)
+
+    def _make_room(self, host: str) -> list[tuple[Responder, str]]:
+        """Under the lock: over ``max_data_hellos_per_address``, take the oldest ripe connection from
+        ``host`` out of its hello (the caller stops it). A burst of young ones from one address is left
+        alone: the global cap bounds them."""
+        from_host = [r for r, (h, _) in self._hellos.items() if h == host]
+        if len(from_host) < self.options.max_data_hellos_per_address:
+            return []
+        ripe = [r for r in self._ripe(time.monotonic()) if self._hellos[r][0] == host]
+        return [(ripe[0], self._hellos.pop(ripe[0])[0])] if ripe else []
+
+    def _done_with_hello(self, responder: Responder) -> bool:
+        """Its hello's bytes are all in (or it ended): out of the set; False if it was evicted meanwhile."""
+        with self._lock:
+            return self._hellos.pop(responder, None) is not None
 
     def _connection(self, responder: Responder) -> None:
         st: PairState | None = None
@@ -140,8 +194,7 @@ class Listener:
             try:
                 st = self._answer(responder)
             finally:
-                with self._lock:
-                    self._in_hello -= 1
+                self._done_with_hello(responder)
             if st is not None:
                 responder.serve(st)
         except PeerGone as exc:
@@ -161,20 +214,23 @@ class Listener:
         takes the connection (and the token is gone)."""
         sock = responder.sock
         host = _host(sock)
-        deadline = time.monotonic() + self.options.connect_timeout
+        timeout = self._hello_deadline
+        deadline = time.monotonic() + timeout
         hello = bytearray(HELLO.size)
         view = memoryview(hello)
         try:
             while view:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.guard.slow_message(host, f"no whole hello within {self.options.connect_timeout:g}s")
+                    self.guard.slow_message(host, f"no whole hello within {timeout:g}s")
                     return None
                 sock.settimeout(left)
                 n = sock.recv_into(view)
                 if not n:
                     return None
                 view = view[n:]
+            if not self._done_with_hello(responder):
+                return None  # closed to make room just as its last byte came: it goes as it was told
             magic, version, _flags, token, _peer_qp = HELLO.unpack(hello)
             if magic != MAGIC:
                 self.guard.bad_message(host, "not a moriio data-port hello")
@@ -192,7 +248,7 @@ class Listener:
             configure_data_socket(sock, self.options.retry_timeout)
             sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, st.qp_num))
         except TimeoutError:
-            self.guard.slow_message(host, f"no whole hello within {self.options.connect_timeout:g}s")
+            self.guard.slow_message(host, f"no whole hello within {timeout:g}s")
             return None
         except OSError:
             return None

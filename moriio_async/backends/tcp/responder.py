@@ -345,7 +345,8 @@ class Responder:
         rkey, _r, addr, length = (int(x) for x in (desc.tolist() if isinstance(desc, np.void) else desc))
         what = "WRITE" if op == _WRITE else "READ"
         detail = f"{what} rkey {rkey:#x} [{addr:#x}, +{length}): {vendor.name}"
-        self.guard.access_error(st.qp_num, _host(self.sock), detail)
+        guess = vendor is not VendorErr.REMOTE_DEREGISTERED  # a stale region is the target's doing, not a guess
+        self.guard.access_error(st.qp_num, _host(self.sock), detail, guess=guess)
 
     def _refuse_rest(self, sock: socket.socket, scratch: memoryview) -> None:
         """After an error response: execute nothing more, drain until the initiator hangs up (for at
