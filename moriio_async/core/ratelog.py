@@ -23,7 +23,8 @@ __all__ = ["RateLimitedLog"]
 
 
 class RateLimitedLog:
-    """``log(key, msg, *args)`` emits at most ``burst`` lines per ``interval`` seconds per key.
+    """``log(key, msg, *args)`` emits at most ``burst`` lines per ``interval`` seconds per key, and at most
+    ``global_burst`` per ``interval`` over all keys (then one "N more suppressed" line when the next window opens).
 
     Keys are bounded (``max_keys``, least recently used dropped) so the
     limiter itself cannot be grown by a peer that varies its key. Thread-safe:
