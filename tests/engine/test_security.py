@@ -260,3 +260,33 @@ async def test_a_listener_that_does_not_authenticate_is_refused_by_a_dialer_that
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_proof_guesses_are_bounded_per_source_and_one_mistake_is_not_locked_out(backend: str) -> None:
+    """Issue 23: 1,848 proof guesses a second, unlimited. A failed proof is charged to its source; past
+    max_failures_per_source the source's connections are refused at accept, unheard, while a peer from
+    another address that got its proof wrong once still connects."""
+    cfg = IOEngineConfig(backend=backend, secret=SECRET, max_failures_per_source=5)
+    async with IOEngine("b", cfg) as b, IOEngine("a", cfg) as a:
+        checked = refused = 0
+        for _ in range(40):
+            try:
+                said = await hello(b.address, "guesser", secret=SECRET, bad_proof=True, source="127.0.0.2")
+            except ConnectionError:  # refused at accept; the refusal frame lost to a reset
+                refused += 1
+                continue
+            if said.replies[0]["op"] == "challenge":
+                assert (said.last["op"], said.last["reason"]) == ("error", "auth")
+                checked += 1
+            else:
+                assert (said.last["op"], said.last["reason"]) == ("error", "busy")
+                assert "locked out" in said.last["message"]
+                refused += 1
+            await said.close()
+        assert (checked, refused) == (5, 35), "guesses past the budget must not be heard"
+        stats = b.statistics()
+        assert (stats["auth_failures"], stats["lockouts"], stats["locked_out"]) == (5, 1, 35)
+        mistake = await hello(b.address, "a", secret=SECRET, bad_proof=True)  # 127.0.0.1, once
+        assert mistake.last["reason"] == "auth"
+        await mistake.close()
+        assert (await a.connect(b.address)).engine.key == "b"
