@@ -378,6 +378,7 @@ class IOEngine:
             "impersonations": guard.impersonations,
             "access_errors": guard.access_errors,
             "evicted_hellos": guard.evicted_hellos,
+            "evicted_idle_links": guard.evicted_idle_links,
             "lockouts": guard.lockouts,
             "locked_out": guard.locked_out,
             "suppressed_log_lines": self._guard.suppressed,

@@ -54,6 +54,8 @@ class ControlCounters:
     """Sources locked out for failing too many proofs (``max_failures_per_source``)."""
     locked_out: int = 0
     """Connections refused at accept because their source was locked out."""
+    evicted_idle_links: int = 0
+    """Idle links (hello said, carrying nothing) closed at ``max_links`` to make room for a new connection."""
 
 
 class Guard:
@@ -71,6 +73,7 @@ class Guard:
         self._info = RateLimitedLog(logger, logging.INFO, interval=interval)
         self._budget = FailureBudget(max_failures, lockout)
         self.evicted_hellos = 0
+        self.evicted_idle_links = 0
         self.refused_links = 0
         self.idle_closed = 0
         self.bad_frames = 0
@@ -94,11 +97,14 @@ class Guard:
         )
         return True
 
-    def evicted(self, count: int) -> None:
-        """``count`` connections in their hello were closed to make room for newer ones."""
+    def evicted(self, count: int, *, idle: int = 0) -> None:
+        """``count`` connections in their hello (and ``idle`` idle links) were closed to make room."""
         if count:
             self.evicted_hellos += count
             log.debug("control listener: closed %d connection(s) still in their hello to make room", count)
+        if idle:
+            self.evicted_idle_links += idle
+            log.debug("control listener: closed %d idle link(s) to make room (max_links)", idle)
 
     def refused_link(self, host: str, why: str) -> None:
         self.refused_links += 1
@@ -147,4 +153,5 @@ class Guard:
             self.evicted_hellos,
             self._budget.lockouts,
             self._budget.refused,
+            self.evicted_idle_links,
         )

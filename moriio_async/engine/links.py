@@ -110,6 +110,8 @@ class LinkRegistry:
         self._hellos_from: Counter[str] = Counter()
         self.evicted = 0
         """Links in their hello closed to make room for a newer connection."""
+        self.evicted_idle = 0
+        """Idle links closed at ``max_links`` to make room for a newer connection."""
 
     def __len__(self) -> int:
         return len(self._links)
@@ -148,7 +150,7 @@ class LinkRegistry:
         if self._hellos_from[host] + pending_from_host >= limits.max_hellos_per_address:
             self._evict(host, grace=True)
         while self._accepted.total() + pending >= limits.max_links:
-            if not self._evict(None, grace=False):
+            if not self._evict(None, grace=False) and not self._evict_idle():
                 return f"this engine holds its maximum of {limits.max_links} accepted control links (max_links)"
         while self._accepted[host] + pending_from_host >= limits.max_links_per_address:
             if not self._evict(host, grace=False):
@@ -174,6 +176,24 @@ class LinkRegistry:
         victim.close()  # on_link_closed -> forget: the counts drop now
         if victim in self._hellos:  # a handler that did not forget it: never loop on it
             self._drop_hello(victim)
+        return True
+
+    def _evict_idle(self) -> bool:
+        """At ``max_links`` with no link in its hello: close the accepted link idle the longest, if it carries
+        nothing and has been idle for ``hello_grace`` at least (its peer dials again when it needs it, as
+        after ``link_idle_timeout``). Without a secret anyone can say a valid hello: links kept open idle
+        must not fill the cap for good. False if there is none."""
+        now = asyncio.get_running_loop().time()
+        idle = [
+            link
+            for link, s in self._links.items()
+            if s.accepted and s.desc is not None and not (s.answering or s.opened or s.connecting or link.busy)
+            and now - link.last_activity >= self.limits.hello_grace
+        ]  # fmt: skip
+        if not idle:
+            return False
+        self.evicted_idle += 1
+        min(idle, key=lambda link: link.last_activity).close()
         return True
 
     def _drop_hello(self, link: ControlLink) -> None:

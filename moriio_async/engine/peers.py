@@ -288,9 +288,9 @@ class PeerTable:
     def _admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
         if self._guard.locked_out(host):
             return "this source failed too many proofs lately and is locked out (max_failures_per_source)"
-        evicted = self._links.evicted
+        evicted, idle = self._links.evicted, self._links.evicted_idle
         why = self._links.admit(host, pending_from_host, pending)
-        self._guard.evicted(self._links.evicted - evicted)
+        self._guard.evicted(self._links.evicted - evicted, idle=self._links.evicted_idle - idle)
         if why is not None:
             self._guard.refused_link(host, why)
         return why

@@ -20,7 +20,7 @@ import pytest
 from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
 
 from .siege import Siege, open_files
-from .wire import until
+from .wire import hello, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,3 +60,23 @@ async def test_a_legitimate_peer_gets_in_while_a_thousand_unauthenticated_socket
                 assert stats["evicted_hellos"] >= 1, "the crowd was held at the control port"
             else:
                 assert stats["data_plane"]["evicted_hellos"] >= 1, "the crowd was held at the data port"
+
+
+async def test_idle_links_that_said_a_valid_hello_cannot_fill_max_links(backend: str) -> None:
+    """Issue 23: 512 idle links from 127.0.0.2 onwards filled max_links for good (without a secret anyone can
+    say a valid hello). At the cap, the link idle the longest (carrying nothing, idle past the grace) makes
+    room, so a legitimate peer connects; a link that carries a session is never the one closed."""
+    cfg = IOEngineConfig(backend=backend, secret="", max_links=40, hello_timeout=1.0)
+    async with IOEngine("b", cfg) as b, IOEngine("a", cfg) as a:
+        held = [
+            await hello(b.address, f"idle{i}", backend=backend, secret=None, source=f"127.5.0.{i + 1}")
+            for i in range(40)
+        ]
+        assert all(h.welcomed for h in held) and b.statistics()["links"] == 40
+        await asyncio.sleep(0.6)  # idle past the grace (half the 1 s hello deadline)
+        for _ in range(3):
+            assert (await a.connect(b.address)).engine.key == "b"
+        stats = b.statistics()
+        assert stats["evicted_idle_links"] == 3 and stats["links"] == 40 and stats["refused_links"] == 0
+        for h in held:
+            await h.close()
