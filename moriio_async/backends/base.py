@@ -122,7 +122,7 @@ class BackendOptions:
     """TCP: seconds from the accept for a data connection's whole hello (at most ``connect_timeout``)."""
     max_failures_per_source: int = 16
     """TCP: unknown tokens and refused remote accesses one source may cause within ``failure_lockout``
-    before the data port refuses its connections for ``failure_lockout`` seconds."""
+    before each of its data connections waits a quarter of the hello deadline, for ``failure_lockout`` seconds."""
     failure_lockout: float = 30.0
     extra: Mapping[str, Any] = field(default_factory=dict)
 

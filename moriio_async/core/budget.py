@@ -3,11 +3,15 @@
 A failed guess (a proof, a data-plane token, an rkey the target refused) is
 charged to its source (``source_of``: the remote address, an IPv6 one by its
 /64, which one attacker holds whole). ``max_failures`` of them within
-``lockout`` seconds lock the source out for ``lockout`` seconds: its new
-connections are refused at accept, before anything is allocated for them,
-and so without ever waiting on anything (the event loop and the accept
-thread only look the source up). An honest peer that makes a mistake now and
-then stays far below the budget, and a success never costs anything.
+``lockout`` seconds put the source over its budget for ``lockout`` seconds:
+each of its new connections is then served only after a delay (a timer on
+the event loop, a wait on the connection's own thread on the data port;
+never a sleep on the loop), so every further guess costs the guesser that
+long, and what it can try at once is bounded by the per-address caps on
+connections in their hello. Delayed, not refused: an honest peer behind the
+same address (every local process is 127.0.0.1) still gets in, a moment
+later. An honest peer that makes a mistake now and then stays far below the
+budget, and a success never costs anything.
 
 Sources are bounded (``max_sources``, least recently charged dropped), so
 the table cannot be grown by rotating addresses; a locked source is never
@@ -49,7 +53,7 @@ class _Record:
 
 
 class FailureBudget:
-    """``fail(source)`` charges one failure; ``locked(source)`` says whether it is locked out now."""
+    """``fail(source)`` charges one failure; ``locked(source)`` says whether it is over its budget now."""
 
     def __init__(
         self,
@@ -68,16 +72,16 @@ class FailureBudget:
         self.failures = 0
         """Failures charged so far (all sources)."""
         self.lockouts = 0
-        """Times a source went over its budget and was locked out."""
-        self.refused = 0
-        """Connections refused because their source was locked out."""
+        """Times a source went over its budget."""
+        self.delayed = 0
+        """Connections delayed because their source was over its budget."""
 
     @property
     def tracked_sources(self) -> int:
         return len(self._sources)
 
     def fail(self, source: str) -> bool:
-        """Charge one failure to ``source``; True if that locked it out (just now, or already)."""
+        """Charge one failure to ``source``; True if it is over its budget (just now, or already)."""
         now = self._clock()
         with self._lock:
             self.failures += 1
@@ -96,13 +100,13 @@ class FailureBudget:
             return record.locked_until > now
 
     def locked(self, source: str) -> bool:
-        """``source`` is locked out now (each True is counted in ``refused``: call it once per connection)."""
+        """``source`` is over its budget now (each True is counted in ``delayed``: call it once per connection)."""
         now = self._clock()
         with self._lock:
             record = self._sources.get(source)
             if record is None or record.locked_until <= now:
                 return False
-            self.refused += 1
+            self.delayed += 1
             return True
 
     def _trim(self, now: float) -> None:

@@ -380,7 +380,7 @@ class IOEngine:
             "evicted_hellos": guard.evicted_hellos,
             "evicted_idle_links": guard.evicted_idle_links,
             "lockouts": guard.lockouts,
-            "locked_out": guard.locked_out,
+            "delayed": guard.delayed,
             "suppressed_log_lines": self._guard.suppressed,
             "data_plane": running.transports.data_plane() if running is not None else {},
         }

@@ -8,8 +8,9 @@ frames or rogue hellos, from one address or a thousand, costs a few lines,
 never a traceback.
 
 A failed proof is also charged to its source's ``FailureBudget``: past
-``max_failures_per_source`` within ``failure_lockout``, the listener refuses
-that source's connections at accept (``locked_out``) until the lockout ends.
+``max_failures_per_source`` within ``failure_lockout``, each new connection
+from that source waits before its hello is read (``delayed``) until the
+lockout ends.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class ControlCounters:
     """Connections still in their hello closed to make room for newer ones (``max_hellos``, the link caps)."""
     lockouts: int = 0
     """Sources locked out for failing too many proofs (``max_failures_per_source``)."""
-    locked_out: int = 0
-    """Connections refused at accept because their source was locked out."""
+    delayed: int = 0
+    """Connections whose hello was read late because their source was over its budget."""
     evicted_idle_links: int = 0
     """Idle links (hello said, carrying nothing) closed at ``max_links`` to make room for a new connection."""
 
@@ -87,13 +88,12 @@ class Guard:
         """Lines held back by the rate limits so far."""
         return self._warn.suppressed + self._info.suppressed
 
-    def locked_out(self, host: str) -> bool:
-        """``host``'s source failed too many proofs lately: refuse its connection (counted, rate-limited line)."""
+    def delayed(self, host: str) -> bool:
+        """``host``'s source failed too many proofs lately: its new connection waits before it is heard."""
         if not self._budget.locked(source_of(host)):
             return False
-        self.refused_links += 1
         self._warn.log(
-            f"locked:{host}", "control listener: refused a connection from %s: locked out for failed proofs", host
+            f"delayed:{host}", "control listener: a connection from %s waits: too many failed proofs from there", host
         )
         return True
 
@@ -128,7 +128,7 @@ class Guard:
         self.impersonations += impersonation
         what = "impersonation attempt" if impersonation else "authentication failed" if auth else "hello refused"
         if auth and self._budget.fail(source_of(host)):
-            why = f"{why} (this source is now locked out for {self._budget.lockout:g}s: too many failed proofs)"
+            why = f"{why} (this source's connections now wait before they are heard: too many failed proofs)"
         self._warn.log(f"hello:{host}", "control handshake from %s: %s: %s", address, what, why)
 
     def dropped_notice(self, host: str, address: str, what: str, why: str) -> None:
@@ -152,6 +152,6 @@ class Guard:
             dict(self._access_errors),
             self.evicted_hellos,
             self._budget.lockouts,
-            self._budget.refused,
+            self._budget.delayed,
             self.evicted_idle_links,
         )

@@ -13,16 +13,20 @@ answering pairs per link (``reserve_answering``), and the idle time of a
 link that carries nothing (``idle``).
 
 Before its hello completes, an accepted link has proved nothing, so it may
-not keep out one that can: at most ``max_hellos`` of them at once (and
-``max_hellos_per_address`` from one address), below ``max_links``, so the rest
-is a reserve for links whose hello completed. A new connection over any of
-these caps closes the oldest link still in its hello that counts against the
-cap (``evict``: one that has not even sent a whole message first) instead of
-being refused; only links that completed their hello are never closed to
-make room. A silent or trickling client thus holds its place for at most
-``hello_timeout``, and only until newer connections need the room: a flood
-of them from any number of addresses delays a legitimate hello by the time
-it takes to arrive, never for good.
+not keep out one that can: at most ``max_hellos`` of them at once, below
+``max_links``, so the rest is a reserve for links whose hello completed. A
+new connection over that cap closes the oldest link in its hello that has
+had ``hello_grace`` (half its deadline; one that has not even sent a whole
+message goes first); while every one is younger, the listener leaves new
+connections in the kernel's backlog for a moment (``make_room``), so a burst
+of honest dialers is held back, never cut off. Over
+``max_hellos_per_address`` the same goes for that address's links. At the
+link caps, any link in its hello makes room, then (``max_links``) the link
+idle the longest; only links carrying something are never closed to make
+room. A silent or trickling client thus holds its place for at most
+``hello_timeout``, and only until newer connections need the room: a crowd
+of them from any number of addresses delays a legitimate hello, never keeps
+it out.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class _LinkState:
     accepted: bool
     opened_at: float = 0.0
     """Loop time of the accept (the link's ``last_activity`` moves on once a whole message arrived)."""
+    talking: bool = False
+    """The client had sent something when it was accepted (an honest dialer sends its hello at once)."""
     desc: EngineDesc | None = None
     """Who said hello on the link (None while the handshake runs)."""
     session_key: bytes | None = None
@@ -128,15 +134,17 @@ class LinkRegistry:
         """Accepted links whose hello has not completed."""
         return len(self._hellos)
 
-    def make_room(self, pending: int) -> bool:
-        """Room for one more connection in its hello (``pending``: accepted, not yet open here)? At the
-        cap, the first of the links in their hello for ``hello_grace`` goes (``evict``); if every one is
-        younger, False: the listener leaves new connections in the kernel's backlog for a moment."""
+    def make_room(self, pending: int, talking: bool) -> str | None:
+        """Room for one more connection in its hello (``pending``: accepted, not yet open here; ``talking``: it
+        had sent something at accept)? At the cap one goes (``evict``): the oldest silent one (nothing at
+        accept, no whole message since), else the oldest that has not sent a whole message, else the oldest
+        that had ``hello_grace``. None if there is room now, else why not: every one in its hello is young
+        and has sent a whole message (a crowd that proves nothing never gets there)."""
         limits = self.limits
         while len(self._hellos) + pending >= min(limits.max_hellos, limits.max_links):
-            if not self._evict(None, grace=True):
-                return False
-        return True
+            if not self._evict(None, grace=False, unread_only=True) and not self._evict(None, grace=True):
+                return f"this engine holds its maximum of {limits.max_hellos} control connections in their hello"
+        return None
 
     def admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
         """Why a new connection from ``host`` is refused (the link caps), or None to accept it.
@@ -160,18 +168,22 @@ class LinkRegistry:
                 )
         return None
 
-    def _evict(self, host: str | None, *, grace: bool) -> bool:
+    def _evict(self, host: str | None, *, grace: bool, unread_only: bool = False) -> bool:
         """Close the link in its hello that goes first (from ``host``, or any; with ``grace``, of those in
-        their hello for ``hello_grace`` at least): the oldest that has not sent a whole message, else the
+        their hello for ``hello_grace`` at least; with ``unread_only``, of those no whole message came on): the
+        oldest silent one (nothing at accept, no whole message since), else the oldest unread one, else the
         oldest. False if there is none."""
         candidates = [link for link in self._hellos if host is None or link.peer_host == host]
         if grace:
             ripe = asyncio.get_running_loop().time() - self.limits.hello_grace
             candidates = [link for link in candidates if self._hellos[link].opened_at <= ripe]
+        unread = [link for link in candidates if link.last_activity <= self._hellos[link].opened_at]
+        if unread_only:
+            candidates = unread
         if not candidates:
             return False
-        silent = (link for link in candidates if link.last_activity <= self._hellos[link].opened_at)
-        victim = next(silent, candidates[0])
+        silent = [link for link in unread if not self._hellos[link].talking]
+        victim = (silent or unread or candidates)[0]
         self.evicted += 1
         victim.close()  # on_link_closed -> forget: the counts drop now
         if victim in self._hellos:  # a handler that did not forget it: never loop on it
@@ -203,11 +215,18 @@ class LinkRegistry:
                 del self._hellos_from[link.peer_host]
 
     def open(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: LinkHandler, *, accepted: bool
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: LinkHandler,
+        *,
+        accepted: bool,
+        talking: bool = False,
     ) -> ControlLink:
-        """A new link over a fresh connection; it stays here until it closes (``handler.on_link_closed``)."""
+        """A new link over a fresh connection; it stays here until it closes (``handler.on_link_closed``).
+        ``talking``: an accepted client had sent something by its accept."""
         link = ControlLink(reader, writer, handler, max_frame=self.limits.max_frame, timeout=self.limits.timeout)
-        state = self._links[link] = _LinkState(accepted, link.last_activity)
+        state = self._links[link] = _LinkState(accepted, link.last_activity, talking)
         if accepted:
             self._accepted[link.peer_host] += 1
             self._hellos[link] = state

@@ -16,7 +16,8 @@ Every lines's limiter also has a budget for all addresses together (one
 "N more suppressed" line past it), so rotating addresses does not flood
 either. An unknown token and a refused remote access are failed guesses:
 each is charged to its source's ``FailureBudget`` (``core.budget``), and a
-source over budget is refused at accept (``locked``) until its lockout ends.
+source over budget has each new connection wait before its hello is read
+(``delayed``) until its lockout ends.
 """
 
 from __future__ import annotations
@@ -65,16 +66,15 @@ class DataGuard:
     def _charge(self, host: str) -> None:
         if self.budget.fail(source_of(host)):
             self._warn.log(
-                f"lockout:{host}", "tcp data port: %s is locked out for %gs: too many failed guesses",
-                host, self.budget.lockout,
+                f"lockout:{host}", "tcp data port: %s is over its budget of failed guesses: its connections wait",
+                host,
             )  # fmt: skip
 
-    def locked(self, host: str) -> bool:
-        """A connection from ``host`` arrived while its source is locked out: refuse it (counted)."""
+    def delayed(self, host: str) -> bool:
+        """A connection from ``host`` arrived while its source is over its budget: it waits (counted)."""
         if not self.budget.locked(source_of(host)):
             return False
-        self._count("refused_connections")
-        self._warn.log(f"busy:{host}", "tcp data port: refused a connection from %s: its source is locked out", host)
+        self._warn.log(f"delayed:{host}", "tcp data port: a connection from %s waits: too many failed guesses", host)
         return True
 
     def evicted_hello(self, host: str) -> None:
@@ -120,5 +120,5 @@ class DataGuard:
                 "suppressed_log_lines": self._warn.suppressed,
                 "evicted_hellos": self.evicted_hellos,
                 "lockouts": self.budget.lockouts,
-                "locked_out": self.budget.refused,
+                "delayed": self.budget.delayed,
             }

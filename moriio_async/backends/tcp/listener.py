@@ -15,17 +15,23 @@ never crosses the control link; without one, 16 random bytes sent over the
 
 The hello must arrive whole within ``hello_timeout`` (at most
 ``connect_timeout``) of the accept, however its bytes are spaced. At most
-``BackendOptions.max_data_hellos`` connections may be in their hello at once,
-and ``max_data_hellos_per_address`` from one address: one more closes the
-oldest one in its hello that counts against the cap (its socket is shut
-down, which wakes its thread), so silent or trickling connections from any
-number of addresses can delay a real dial only by the time its hello takes
-to arrive. A connection leaves that set as soon as its hello bytes are all
-in, before its token is looked up: one that got that far is never closed to
-make room. A hello with an unknown or used token, a bad magic or version,
-or too slow, is refused, counted and logged at a rate-limited WARNING
-(``DataGuard``); unknown tokens are failed guesses charged to their source,
-and a source over its budget is refused at accept until its lockout ends.
+``BackendOptions.max_data_hellos`` connections may be in their hello at once:
+one more closes the oldest one in its hello (a silent one first: nothing had
+come by its accept, while an honest dialer sends its hello at once); its
+socket is shut down, which wakes its thread. Over
+``max_data_hellos_per_address`` the oldest from that address that had half
+its deadline goes. The accept thread pauses a millisecond after each such
+close (so the threads just started read their hellos before newcomers could
+push them out), and the kernel's backlog is deep (``_BACKLOG``), so under a
+crowd of silent or trickling connections from any number of addresses a real
+dial waits its turn and gets in. A connection leaves the set as soon as its
+hello bytes are all in, before its token is looked up: one that got that far
+is never closed to make room. A hello with an unknown or used token, a bad
+magic or version, or too slow, is refused, counted and logged at a
+rate-limited WARNING (``DataGuard``); unknown tokens are failed guesses
+charged to their source, and a connection from a source over its budget
+waits a quarter of the hello deadline (on its own thread) before its hello
+is read, until the lockout ends.
 """
 
 from __future__ import annotations
@@ -48,8 +54,12 @@ __all__ = ["Listener", "dial"]
 log = logging.getLogger("moriio_async.tcp")
 
 _WILDCARDS = ("", "0.0.0.0", "::")
-_FULL_RETRY = 0.05
-"""Seconds the accept thread waits while every connection in its hello is too young to be closed."""
+_BACKLOG = 2048
+"""The kernel's queue of connections not yet accepted: deep, so that under a crowd of connections a real dial
+waits its turn in that queue (first come, first accepted) instead of having its SYN dropped and retried
+seconds later, a lottery against the crowd's own retries (Linux clips it to ``net.core.somaxconn``)."""
+_EVICTION_PAUSE = 0.001
+"""Seconds the accept thread waits after closing a connection in its hello to make room."""
 
 
 class Listener:
@@ -60,8 +70,9 @@ class Listener:
         self.guard = guard
         self._lock = threading.Lock()
         self._closed = False
-        self._hellos: dict[Responder, tuple[str, float]] = {}
-        """Connections in their hello (each holds a thread), oldest first: remote address, accept time."""
+        self._hellos: dict[Responder, tuple[str, float, bool]] = {}
+        """Connections in their hello (each holds a thread), oldest first: remote address, accept time, and
+        whether it had sent something at accept."""
         self._waiting: dict[bytes, PairState] = {}  # token -> passive pair expecting a dial
         self._threads: dict[Responder, threading.Thread] = {}
         family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
@@ -69,7 +80,7 @@ class Listener:
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((options.host, 0))
-            self._sock.listen(128)
+            self._sock.listen(_BACKLOG)
             self.port: int = self._sock.getsockname()[1]
             # Peers dial what endpoint() says: a wildcard bind advertises this host's address.
             wildcard = options.host in _WILDCARDS
@@ -115,8 +126,6 @@ class Listener:
 
     def _accept_loop(self) -> None:
         while True:
-            if not self._wait_for_room():
-                return
             try:
                 conn, _addr = self._sock.accept()
             except OSError as exc:
@@ -126,9 +135,7 @@ class Listener:
                 time.sleep(0.05)  # e.g. EMFILE: do not spin
                 continue
             host = _host(conn)
-            if self.guard.locked(host):  # refused before a thread is spent on it
-                conn.close()
-                continue
+            talking = _talking(conn)
             responder = Responder(conn, self.guard, self.options.retry_timeout)
             thread = threading.Thread(target=self._connection, args=(responder,), daemon=True,
                                       name=f"moriio-tcp-resp-{self.port}")  # fmt: skip
@@ -138,50 +145,42 @@ class Listener:
                     conn.close()
                     return
                 evicted = self._make_room(host)
-                self._hellos[responder] = (host, time.monotonic())
+                self._hellos[responder] = (host, time.monotonic(), talking)
                 self._threads[responder] = thread
             for victim, victim_host in evicted:
                 victim.stop()  # wakes its thread, which finds it was evicted and leaves
                 self.guard.evicted_hello(victim_host)
             thread.start()
+            if evicted:
+                # At most one eviction a millisecond: the threads of connections just accepted get to read
+                # their hello (the GIL goes to them) before a flood of newcomers could push them out.
+                time.sleep(_EVICTION_PAUSE)
 
     @property
     def _hello_deadline(self) -> float:
         return min(self.options.hello_timeout, self.options.connect_timeout)
 
-    def _ripe(self, now: float) -> list[Responder]:
-        """Connections in their hello for half of its deadline at least, oldest first: an honest dialer
-        sends its hello at once, so only these may be closed to make room."""
-        ripe = now - self._hello_deadline / 2
-        return [r for r, (_, since) in self._hellos.items() if since <= ripe]
-
-    def _wait_for_room(self) -> bool:
-        """Before an accept: at the cap, close the oldest ripe connection in its hello; while every one is
-        younger, wait (new connections stay in the kernel's backlog). False once the listener closed."""
-        while True:
-            with self._lock:
-                if self._closed:
-                    return False
-                if len(self._hellos) < self.options.max_data_hellos:
-                    return True
-                ripe = self._ripe(time.monotonic())
-                victim = ripe[0] if ripe else None
-                host = self._hellos.pop(victim)[0] if victim is not None else ""
-            if victim is None:
-                time.sleep(_FULL_RETRY)  # the accept thread's own wait: nothing else runs on it
-                continue
-            victim.stop()  # wakes its thread, which finds it was evicted and leaves
-            self.guard.evicted_hello(host)
-
     def _make_room(self, host: str) -> list[tuple[Responder, str]]:
-        """Under the lock: over ``max_data_hellos_per_address``, take the oldest ripe connection from
-        ``host`` out of its hello (the caller stops it). A burst of young ones from one address is left
-        alone: the global cap bounds them."""
-        from_host = [r for r, (h, _) in self._hellos.items() if h == host]
-        if len(from_host) < self.options.max_data_hellos_per_address:
-            return []
-        ripe = [r for r in self._ripe(time.monotonic()) if self._hellos[r][0] == host]
-        return [(ripe[0], self._hellos.pop(ripe[0])[0])] if ripe else []
+        """Under the lock: take out of their hello the connections that must go for one from ``host`` (the
+        caller stops them). Over ``max_data_hellos_per_address``: the oldest from ``host`` that had half its
+        deadline. At ``max_data_hellos``: the oldest silent one (nothing had come by its accept; an honest
+        dialer sends its hello at once), else the oldest."""
+        ripe_since = time.monotonic() - self._hello_deadline / 2
+        evicted: list[tuple[Responder, str]] = []
+
+        def take(pick: list[Responder]) -> bool:
+            if pick:
+                evicted.append((pick[0], self._hellos.pop(pick[0])[0]))
+            return bool(pick)
+
+        if sum(h == host for h, _, _ in self._hellos.values()) >= self.options.max_data_hellos_per_address:
+            take([r for r, (h, since, _) in self._hellos.items() if h == host and since <= ripe_since])
+        if len(self._hellos) >= self.options.max_data_hellos:
+            # Every one here has not got its whole hello in yet (it leaves the set as it does): the oldest
+            # silent one goes (nothing at accept), else the oldest.
+            silent = [r for r, (_, _, said) in self._hellos.items() if not said]
+            take(silent or list(self._hellos))
+        return evicted
 
     def _done_with_hello(self, responder: Responder) -> bool:
         """Its hello's bytes are all in (or it ended): out of the set; False if it was evicted meanwhile."""
@@ -218,6 +217,8 @@ class Listener:
         deadline = time.monotonic() + timeout
         hello = bytearray(HELLO.size)
         view = memoryview(hello)
+        if self.guard.delayed(host) and not responder.pause(timeout / 4):  # a guesser's next try costs this
+            return None
         try:
             while view:
                 left = deadline - time.monotonic()
@@ -253,6 +254,14 @@ class Listener:
         except OSError:
             return None
         return st
+
+
+def _talking(sock: socket.socket) -> bool:
+    """The client had sent something by its accept (peeked, not read; never waits)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # BlockingIOError: nothing yet
+        return False
 
 
 def _host(sock: socket.socket) -> str:
