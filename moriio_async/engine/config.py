@@ -68,11 +68,11 @@ class IOEngineConfig:
     from the accept (at most ``control_timeout``); then it is closed."""
     max_hellos: int = 128
     """Accepted control connections in their hello (nothing proved yet) at once, below ``max_links`` (the
-    rest is a reserve for links whose hello completed). One more closes the oldest that has been in its
-    hello for half ``hello_timeout`` (one that has not sent a whole message first); while every one is
-    younger, new connections wait in the kernel's backlog. So unauthenticated connections can neither fill
-    ``max_links`` nor keep a legitimate peer out, and a burst of honest dialers is held back, not cut off;
-    counted in ``statistics()["evicted_hellos"]``."""
+    rest is a reserve for links whose hello completed). One more closes the oldest one that has not sent a
+    whole message (a silent one first: nothing had come by its accept, while an honest dialer sends its
+    hello at once), else the oldest that has been in its hello for half ``hello_timeout``; only if every one
+    is younger and has sent a whole message is the newcomer refused. So silent or trickling connections can
+    neither fill ``max_links`` nor keep a legitimate peer out; counted in ``statistics()["evicted_hellos"]``."""
     max_hellos_per_address: int = 32
     """Of those, from one remote address: over it, the oldest from that address that had half its hello
     deadline makes room."""
@@ -102,8 +102,7 @@ class IOEngineConfig:
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
     max_data_hellos: int = 64
     """TCP backend: data connections allowed in their hello (token not yet checked) at once; one more closes
-    the oldest that had half its hello deadline (counted in ``statistics()["data_plane"]["evicted_hellos"]``),
-    or waits in the backlog while every one is younger."""
+    the oldest one in its hello, a silent one first (counted in ``statistics()["data_plane"]["evicted_hellos"]``)."""
     max_data_hellos_per_address: int = 32
     """TCP backend: of those, from one remote address (the oldest from there that had half its deadline
     makes room)."""

@@ -15,18 +15,21 @@ link that carries nothing (``idle``).
 Before its hello completes, an accepted link has proved nothing, so it may
 not keep out one that can: at most ``max_hellos`` of them at once, below
 ``max_links``, so the rest is a reserve for links whose hello completed. A
-new connection over that cap closes the oldest link in its hello that has
-had ``hello_grace`` (half its deadline; one that has not even sent a whole
-message goes first); while every one is younger, the listener leaves new
-connections in the kernel's backlog for a moment (``make_room``), so a burst
-of honest dialers is held back, never cut off. Over
-``max_hellos_per_address`` the same goes for that address's links. At the
-link caps, any link in its hello makes room, then (``max_links``) the link
-idle the longest; only links carrying something are never closed to make
-room. A silent or trickling client thus holds its place for at most
-``hello_timeout``, and only until newer connections need the room: a crowd
-of them from any number of addresses delays a legitimate hello, never keeps
-it out.
+new connection over that cap closes one in its hello (``make_room``): the
+oldest that has not sent a whole message, a silent one first (nothing had
+come by its accept: the listener peeks), else the oldest that had
+``hello_grace`` (half its deadline); only when every one is younger and has
+sent a whole message is the newcomer refused. The listener takes only a few
+connections a wakeup and has a deep backlog, so the hello of an honest
+dialer, sent at once, is read before a flood of newcomers could push it
+out, and a dialer waits its turn in the kernel's queue instead of losing
+its SYN. Over ``max_hellos_per_address``, the oldest of that address's links
+in their hello that had ``hello_grace`` goes. At the link caps, any link in
+its hello makes room, then (``max_links``) the link idle the longest; only
+links carrying something are never closed to make room. A silent or
+trickling client thus holds its place for at most ``hello_timeout``, and
+only until newer connections need the room: a crowd of them from any number
+of addresses delays a legitimate hello, never keeps it out.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The listener's thread for an accepted connection and the responders report
 here: a hello that was not one (bad magic, version, or too slow: the
 per-message deadline), a token nobody waits for (guessed, replayed, or for a
-pair closed meanwhile), connections refused because too many hellos were
-under way, requests the target's checks refused, and receives aborted by a
+pair closed meanwhile), connections in their hello closed to make room,
+requests the target's checks refused, and receives aborted by a
 deregistration. Every line goes through a ``RateLimitedLog`` keyed on the
 remote address (or the pair), so a peer that guesses tokens or rkeys in a
 loop costs a line per interval, never a flood; the counters are plain
