@@ -11,6 +11,12 @@ attach to), and ``close`` waits for those tasks instead of cancelling them.
 It is also the one place where accepting can be paused or capped: ``admit``
 is asked about every connection before anything is allocated for it, and a
 refused one gets one ``error`` frame (reason ``busy``) and is closed at once.
+``has_room`` is asked too, with whether the client had already sent
+something when it was accepted (a peek, nothing read): an honest dialer
+sends its hello at once, so at accept under a flood it is "talking", and a
+silent crowd is not. The owner may make room for it (close a connection
+still in its hello) or refuse it. The flag is kept for the owner
+(``talking``), never waited for: the accept loop never blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Callable
 
 from ..core.protocol import Refused, encode
 
-__all__ = ["Admit", "Listener"]
+__all__ = ["Admit", "HasRoom", "Listener"]
 
 log = logging.getLogger("moriio_async")
 
@@ -39,14 +45,29 @@ The pending counts are connections accepted and not yet handed to ``on_connectio
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _RETRY_AFTER = 1.0
 """Seconds without accepting after the process ran out of fds (as asyncio's own accept loop does)."""
+_ROOM_BURST = 16
+"""Connections accepted per wakeup when the owner makes room (``has_room``)."""
+HasRoom = Callable[[int, bool], str | None]
+"""``has_room(pending in all, talking)``: None if one more connection in its hello may be accepted now (the
+owner may make room for it), else why not."""
 
 
 class Listener:
     """Listens on ``host:port`` and hands every connection, as streams, to ``on_connection``."""
 
-    def __init__(self, on_connection: OnConnection, *, admit: Admit | None = None, backlog: int = 128) -> None:
+    def __init__(
+        self,
+        on_connection: OnConnection,
+        *,
+        admit: Admit | None = None,
+        has_room: HasRoom | None = None,
+        backlog: int = 128,
+    ) -> None:
         self._on_connection = on_connection
         self._admit = admit
+        self._has_room = has_room
+        self._talking: set[str] = set()
+        """Addresses (host:port) of pending connections that were talking at accept."""
         self._pending: Counter[str] = Counter()
         self._backlog = backlog
         self._sockets: list[socket.socket] = []
@@ -92,6 +113,8 @@ class Listener:
     def _watch(self) -> None:
         assert self._loop is not None
         self._retry = None
+        if self.closed:
+            return
         for sock in self._sockets:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
@@ -102,7 +125,12 @@ class Listener:
 
     def _accept(self, sock: socket.socket) -> None:
         assert self._loop is not None
-        for _ in range(self._backlog):
+        if self._retry is not None or self.closed:  # paused by another listening socket's callback just now
+            return
+        # With an owner that makes room (closes connections still in their hello for new ones), a wakeup
+        # takes a few only: between wakeups the hellos already accepted are read, so a flood of newcomers
+        # cannot push out an honest connection before its hello, already sent, is even looked at.
+        for _ in range(_ROOM_BURST if self._has_room is not None else self._backlog):
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -121,8 +149,11 @@ class Listener:
             except OSError:  # the client left at once
                 conn.close()
                 continue
+            talking = _talking(conn)
             try:
                 refusal = self._admit(host, self._pending[host], self._pending.total()) if self._admit else None
+                if refusal is None and self._has_room is not None:
+                    refusal = self._has_room(self._pending.total(), talking)
             except Exception:  # the owner's bug: this connection is closed, the next ones are still asked
                 conn.close()
                 log.exception("control listener: admit failed for a connection from %s; closed it", host)
@@ -131,28 +162,40 @@ class Listener:
                 _refuse(conn, refusal)
                 continue
             self._pending[host] += 1
+            if talking:
+                self._talking.add(_address(conn))
             task = self._loop.create_task(self._wrap(conn, host))
             self._wrapping.add(task)
             task.add_done_callback(self._wrapping.discard)
 
+    def talking(self, address: str) -> bool:
+        """The connection from ``address`` (host:port) being handed over was talking at accept."""
+        return address in self._talking
+
     async def _wrap(self, conn: socket.socket, host: str) -> None:
+        address = _address(conn)
         try:
             reader, writer = await asyncio.open_connection(sock=conn)
         except OSError as exc:  # the client left at once
             conn.close()
+            self._talking.discard(address)
             log.debug("control listener: an accepted connection failed: %s", exc)
             return
         except BaseException:
             conn.close()
+            self._talking.discard(address)
             raise
         finally:
             self._pending[host] -= 1
             if self._pending[host] <= 0:
                 del self._pending[host]
-        if self.closed:
-            writer.close()  # accepted while the listener closed: the connection is refused, not leaked
-            return
-        self._on_connection(reader, writer)
+        try:
+            if self.closed:
+                writer.close()  # accepted while the listener closed: the connection is refused, not leaked
+                return
+            self._on_connection(reader, writer)
+        finally:
+            self._talking.discard(address)
 
     async def close(self) -> None:
         """Stop accepting, close the listening sockets, and settle every connection accepted so far."""
@@ -173,6 +216,22 @@ class Listener:
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()
+
+
+def _talking(conn: socket.socket) -> bool:
+    """The client had sent something by the time it was accepted (peeked, not read; never waits)."""
+    try:
+        return bool(conn.recv(1, socket.MSG_PEEK))
+    except OSError:  # BlockingIOError: nothing yet
+        return False
+
+
+def _address(conn: socket.socket) -> str:
+    try:
+        peer = conn.getpeername()
+    except OSError:
+        return "?"
+    return f"{peer[0]}:{peer[1]}"
 
 
 def _refuse(conn: socket.socket, why: str) -> None:

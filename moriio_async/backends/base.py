@@ -115,7 +115,15 @@ class BackendOptions:
     """Verbs: transport retries (at most 6: rxe treats 7 as retry forever)."""
     rnr_retry: int = 7
     max_data_hellos: int = 64
-    """TCP: data connections allowed in their hello at once; one more is refused at accept and counted."""
+    """TCP: data connections allowed in their hello at once; one more closes the oldest one in its hello."""
+    max_data_hellos_per_address: int = 32
+    """TCP: of those, from one remote address."""
+    hello_timeout: float = 5.0
+    """TCP: seconds from the accept for a data connection's whole hello (at most ``connect_timeout``)."""
+    max_failures_per_source: int = 16
+    """TCP: unknown tokens and refused remote accesses one source may cause within ``failure_lockout``
+    before each of its data connections waits a quarter of the hello deadline, for ``failure_lockout`` seconds."""
+    failure_lockout: float = 30.0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 

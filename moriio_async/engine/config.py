@@ -58,9 +58,35 @@ class IOEngineConfig:
     """Shared secret peers must prove in the hello (at least 16 bytes); None reads ``$MORIIO_ASYNC_SECRET``,
     and ``""`` turns authentication off even when that variable is set. Never sent, never printed."""
     max_links: int = 512
-    """Control links accepted at once, in all; a connection beyond it is refused at accept."""
+    """Control links accepted at once, in all. At the cap, a new connection closes one still in its hello, else
+    the link idle the longest (hello said, carrying nothing, idle for half ``hello_timeout``: its peer dials
+    again when it needs it); if there is neither, it is refused at accept."""
     max_links_per_address: int = 64
-    """Control links accepted at once from one remote address."""
+    """Control links accepted at once from one remote address (the same: one in its hello from there makes
+    room, else a refusal)."""
+    hello_timeout: float = 5.0
+    """Seconds an accepted connection (control or TCP data port) has to complete its hello, proof included,
+    from the accept (at most ``control_timeout``); then it is closed."""
+    max_hellos: int = 128
+    """Accepted control connections in their hello (nothing proved yet) at once, below ``max_links`` (the
+    rest is a reserve for links whose hello completed). One more closes the oldest one that has not sent a
+    whole message (a silent one first: nothing had come by its accept, while an honest dialer sends its
+    hello at once), else the oldest that has been in its hello for half ``hello_timeout``; only if every one
+    is younger and has sent a whole message is the newcomer refused. So silent or trickling connections can
+    neither fill ``max_links`` nor keep a legitimate peer out; counted in ``statistics()["evicted_hellos"]``."""
+    max_hellos_per_address: int = 32
+    """Of those, from one remote address: over it, the oldest from that address that had half its hello
+    deadline makes room."""
+    max_failures_per_source: int = 16
+    """Failed guesses one source (a remote address; an IPv6 one by its /64) may make within
+    ``failure_lockout``: failed proofs on the control port; unknown tokens and refused remote accesses on the
+    TCP data port. Past it, each new connection from that source to that port waits a quarter of the hello
+    deadline before it is heard, for ``failure_lockout`` seconds (a timer, never a sleep on the event loop):
+    every further guess costs the guesser that long, while an honest peer behind the same address is only
+    delayed, never refused (counted in ``statistics()["lockouts"]``, ``["delayed"]`` and in the data-plane
+    counters)."""
+    failure_lockout: float = 30.0
+    """Seconds over which failures are counted, and for which a source over its budget is delayed."""
     link_idle_timeout: float = 120.0
     """Seconds after which a link carrying nothing (no pair, no request under way) is closed; the next request
     dials again. A dialing engine closes its own idle links at half this, before the listener would."""
@@ -76,8 +102,11 @@ class IOEngineConfig:
     max_answering_qps_per_link: int = 256
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
     max_data_hellos: int = 64
-    """TCP backend: data connections allowed in their hello (token not yet checked) at once; one more is
-    refused at accept and counted in ``statistics()["data_plane"]["refused_connections"]``."""
+    """TCP backend: data connections allowed in their hello (token not yet checked) at once; one more closes
+    the oldest one in its hello, a silent one first (counted in ``statistics()["data_plane"]["evicted_hellos"]``)."""
+    max_data_hellos_per_address: int = 32
+    """TCP backend: of those, from one remote address (the oldest from there that had half its deadline
+    makes room)."""
     max_inbound_statuses: int = 4096
     """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
     oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
@@ -88,7 +117,15 @@ class IOEngineConfig:
     ``statistics()["inbound_dropped"]`` and ``["inbound_dropped_for_bytes"]``)."""
 
     def __post_init__(self) -> None:
-        for name in ("transfer_timeout", "control_timeout", "retry_timeout", "abort_timeout", "link_idle_timeout"):
+        for name in (
+            "transfer_timeout",
+            "control_timeout",
+            "retry_timeout",
+            "abort_timeout",
+            "link_idle_timeout",
+            "hello_timeout",
+            "failure_lockout",
+        ):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be > 0")
         for name in (
@@ -106,6 +143,10 @@ class IOEngineConfig:
             "max_inbound_statuses",
             "max_inbound_status_bytes",
             "max_data_hellos",
+            "max_data_hellos_per_address",
+            "max_hellos",
+            "max_hellos_per_address",
+            "max_failures_per_source",
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"IOEngineConfig.{name} must be >= 1")
@@ -150,5 +191,9 @@ class IOEngineConfig:
             retry_cnt=self.retry_cnt,
             rnr_retry=self.rnr_retry,
             max_data_hellos=self.max_data_hellos,
+            max_data_hellos_per_address=self.max_data_hellos_per_address,
+            hello_timeout=self.hello_timeout,
+            max_failures_per_source=self.max_failures_per_source,
+            failure_lockout=self.failure_lockout,
             extra=self.backend_extra,
         )

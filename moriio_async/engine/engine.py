@@ -76,7 +76,7 @@ class IOEngine:
         self._inbox = self._new_inbox()
         self._inbound = InboundStatuses(self.config.max_inbound_statuses, self.config.max_inbound_status_bytes)
         self._uids = TransferUids()
-        self._guard = Guard()
+        self._guard = Guard(max_failures=self.config.max_failures_per_source, lockout=self.config.failure_lockout)
         self._port = 0
         self._thread = 0
         """The thread running the engine's loop, once started: the sync calls that change state run only there."""
@@ -415,6 +415,10 @@ class IOEngine:
             "auth_failures": guard.auth_failures,
             "impersonations": guard.impersonations,
             "access_errors": guard.access_errors,
+            "evicted_hellos": guard.evicted_hellos,
+            "evicted_idle_links": guard.evicted_idle_links,
+            "lockouts": guard.lockouts,
+            "delayed": guard.delayed,
             "suppressed_log_lines": self._guard.suppressed,
             "data_plane": running.transports.data_plane() if running is not None else {},
         }

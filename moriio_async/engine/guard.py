@@ -2,8 +2,15 @@
 
 Every line a peer can provoke goes through a ``RateLimitedLog`` keyed on the
 remote address (one WARNING per address per interval, the next one saying
-how many were held back), so a peer that sends a thousand bad frames or
-rogue hellos costs a line, never a traceback.
+how many were held back; and a few per interval from all addresses together,
+then one "N more suppressed" line), so a peer that sends a thousand bad
+frames or rogue hellos, from one address or a thousand, costs a few lines,
+never a traceback.
+
+A failed proof is also charged to its source's ``FailureBudget``: past
+``max_failures_per_source`` within ``failure_lockout``, each new connection
+from that source waits before its hello is read (``delayed``) until the
+lockout ends.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..core.budget import FailureBudget, source_of
 from ..core.ratelog import RateLimitedLog
 
 __all__ = ["ControlCounters", "Guard"]
@@ -41,14 +49,32 @@ class ControlCounters:
     """Of those, the hellos that named an engine this one knows, and failed to prove or were older than it."""
     access_errors: dict[str, int]
     """Remote access errors per peer key (fed by the data plane)."""
+    evicted_hellos: int = 0
+    """Connections still in their hello closed to make room for newer ones (``max_hellos``, the link caps)."""
+    lockouts: int = 0
+    """Sources locked out for failing too many proofs (``max_failures_per_source``)."""
+    delayed: int = 0
+    """Connections whose hello was read late because their source was over its budget."""
+    evicted_idle_links: int = 0
+    """Idle links (hello said, carrying nothing) closed at ``max_links`` to make room for a new connection."""
 
 
 class Guard:
     """Counters and rate-limited lines for what peers do wrong; one per engine."""
 
-    def __init__(self, logger: logging.Logger = log, *, interval: float = 10.0) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger = log,
+        *,
+        interval: float = 10.0,
+        max_failures: int = 16,
+        lockout: float = 30.0,
+    ) -> None:
         self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
         self._info = RateLimitedLog(logger, logging.INFO, interval=interval)
+        self._budget = FailureBudget(max_failures, lockout)
+        self.evicted_hellos = 0
+        self.evicted_idle_links = 0
         self.refused_links = 0
         self.idle_closed = 0
         self.bad_frames = 0
@@ -61,6 +87,24 @@ class Guard:
     def suppressed(self) -> int:
         """Lines held back by the rate limits so far."""
         return self._warn.suppressed + self._info.suppressed
+
+    def delayed(self, host: str) -> bool:
+        """``host``'s source failed too many proofs lately: its new connection waits before it is heard."""
+        if not self._budget.locked(source_of(host)):
+            return False
+        self._warn.log(
+            f"delayed:{host}", "control listener: a connection from %s waits: too many failed proofs from there", host
+        )
+        return True
+
+    def evicted(self, count: int, *, idle: int = 0) -> None:
+        """``count`` connections in their hello (and ``idle`` idle links) were closed to make room."""
+        if count:
+            self.evicted_hellos += count
+            log.debug("control listener: closed %d connection(s) still in their hello to make room", count)
+        if idle:
+            self.evicted_idle_links += idle
+            log.debug("control listener: closed %d idle link(s) to make room (max_links)", idle)
 
     def refused_link(self, host: str, why: str) -> None:
         self.refused_links += 1
@@ -83,6 +127,8 @@ class Guard:
         self.auth_failures += auth
         self.impersonations += impersonation
         what = "impersonation attempt" if impersonation else "authentication failed" if auth else "hello refused"
+        if auth and self._budget.fail(source_of(host)):
+            why = f"{why} (this source's connections now wait before they are heard: too many failed proofs)"
         self._warn.log(f"hello:{host}", "control handshake from %s: %s: %s", address, what, why)
 
     def dropped_notice(self, host: str, address: str, what: str, why: str) -> None:
@@ -104,4 +150,8 @@ class Guard:
             self.auth_failures,
             self.impersonations,
             dict(self._access_errors),
+            self.evicted_hellos,
+            self._budget.lockouts,
+            self._budget.delayed,
+            self.evicted_idle_links,
         )

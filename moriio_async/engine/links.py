@@ -11,6 +11,25 @@ that link closes.
 Limits kept here: accepted links in all and per remote address (``admit``),
 answering pairs per link (``reserve_answering``), and the idle time of a
 link that carries nothing (``idle``).
+
+Before its hello completes, an accepted link has proved nothing, so it may
+not keep out one that can: at most ``max_hellos`` of them at once, below
+``max_links``, so the rest is a reserve for links whose hello completed. A
+new connection over that cap closes one in its hello (``make_room``): the
+oldest that has not sent a whole message, a silent one first (nothing had
+come by its accept: the listener peeks), else the oldest that had
+``hello_grace`` (half its deadline); only when every one is younger and has
+sent a whole message is the newcomer refused. The listener takes only a few
+connections a wakeup and has a deep backlog, so the hello of an honest
+dialer, sent at once, is read before a flood of newcomers could push it
+out, and a dialer waits its turn in the kernel's queue instead of losing
+its SYN. Over ``max_hellos_per_address``, the oldest of that address's links
+in their hello that had ``hello_grace`` goes. At the link caps, any link in
+its hello makes room, then (``max_links``) the link idle the longest; only
+links carrying something are never closed to make room. A silent or
+trickling client thus holds its place for at most ``hello_timeout``, and
+only until newer connections need the room: a crowd of them from any number
+of addresses delays a legitimate hello, never keeps it out.
 """
 
 from __future__ import annotations
@@ -48,11 +67,29 @@ class LinkLimits:
     max_links_per_address: int
     idle_timeout: float
     max_answering_per_link: int
+    hello_timeout: float = 5.0
+    max_hellos: int = 128
+    max_hellos_per_address: int = 32
+
+    @property
+    def hello_deadline(self) -> float:
+        """Seconds an accepted link has for its whole hello (proof included)."""
+        return min(self.hello_timeout, self.timeout)
+
+    @property
+    def hello_grace(self) -> float:
+        """Seconds a link in its hello is safe from being closed to make room: an honest dialer sends its
+        hello at once, so only one that had this long (half its deadline) and still did not finish goes first."""
+        return self.hello_deadline / 2
 
 
 @dataclass(eq=False, slots=True)
 class _LinkState:
     accepted: bool
+    opened_at: float = 0.0
+    """Loop time of the accept (the link's ``last_activity`` moves on once a whole message arrived)."""
+    talking: bool = False
+    """The client had sent something when it was accepted (an honest dialer sends its hello at once)."""
     desc: EngineDesc | None = None
     """Who said hello on the link (None while the handshake runs)."""
     session_key: bytes | None = None
@@ -77,6 +114,13 @@ class LinkRegistry:
         """Every answering pair not closed yet: the link it was asked for on, the engine that asked."""
         self._accepted: Counter[str] = Counter()
         """Accepted links per remote address."""
+        self._hellos: dict[ControlLink, _LinkState] = {}
+        """Accepted links whose hello has not completed, oldest first."""
+        self._hellos_from: Counter[str] = Counter()
+        self.evicted = 0
+        """Links in their hello closed to make room for a newer connection."""
+        self.evicted_idle = 0
+        """Idle links closed at ``max_links`` to make room for a newer connection."""
 
     def __len__(self) -> int:
         return len(self._links)
@@ -88,26 +132,108 @@ class LinkRegistry:
 
     # -- admission ---------------------------------------------------------------------------------
 
-    def admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
-        """Why a new connection from ``host`` is refused (the link caps), or None to accept it."""
+    @property
+    def in_hello(self) -> int:
+        """Accepted links whose hello has not completed."""
+        return len(self._hellos)
+
+    def make_room(self, pending: int, talking: bool) -> str | None:
+        """Room for one more connection in its hello (``pending``: accepted, not yet open here; ``talking``: it
+        had sent something at accept)? At the cap one goes (``evict``): the oldest silent one (nothing at
+        accept, no whole message since), else the oldest that has not sent a whole message, else the oldest
+        that had ``hello_grace``. None if there is room now, else why not: every one in its hello is young
+        and has sent a whole message (a crowd that proves nothing never gets there)."""
         limits = self.limits
-        if self._accepted.total() + pending >= limits.max_links:
-            return f"this engine holds its maximum of {limits.max_links} accepted control links (max_links)"
-        if self._accepted[host] + pending_from_host >= limits.max_links_per_address:
-            return (
-                f"this engine holds its maximum of {limits.max_links_per_address} control links from {host} "
-                "(max_links_per_address)"
-            )
+        while len(self._hellos) + pending >= min(limits.max_hellos, limits.max_links):
+            if not self._evict(None, grace=False, unread_only=True) and not self._evict(None, grace=True):
+                return f"this engine holds its maximum of {limits.max_hellos} control connections in their hello"
         return None
 
+    def admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
+        """Why a new connection from ``host`` is refused (the link caps), or None to accept it.
+
+        Over ``max_hellos_per_address``, the first of that address's links in their hello for
+        ``hello_grace`` is closed (a burst of honest dialers from one address is not cut short: the global
+        cap, ``make_room``, bounds those). At the link caps, a link in its hello (however young) makes room;
+        only when none does is the new connection refused.
+        """
+        limits = self.limits
+        if self._hellos_from[host] + pending_from_host >= limits.max_hellos_per_address:
+            self._evict(host, grace=True)
+        while self._accepted.total() + pending >= limits.max_links:
+            if not self._evict(None, grace=False) and not self._evict_idle():
+                return f"this engine holds its maximum of {limits.max_links} accepted control links (max_links)"
+        while self._accepted[host] + pending_from_host >= limits.max_links_per_address:
+            if not self._evict(host, grace=False):
+                return (
+                    f"this engine holds its maximum of {limits.max_links_per_address} control links from "
+                    f"{host} (max_links_per_address)"
+                )
+        return None
+
+    def _evict(self, host: str | None, *, grace: bool, unread_only: bool = False) -> bool:
+        """Close the link in its hello that goes first (from ``host``, or any; with ``grace``, of those in
+        their hello for ``hello_grace`` at least; with ``unread_only``, of those no whole message came on): the
+        oldest silent one (nothing at accept, no whole message since), else the oldest unread one, else the
+        oldest. False if there is none."""
+        candidates = [link for link in self._hellos if host is None or link.peer_host == host]
+        if grace:
+            ripe = asyncio.get_running_loop().time() - self.limits.hello_grace
+            candidates = [link for link in candidates if self._hellos[link].opened_at <= ripe]
+        unread = [link for link in candidates if link.last_activity <= self._hellos[link].opened_at]
+        if unread_only:
+            candidates = unread
+        if not candidates:
+            return False
+        silent = [link for link in unread if not self._hellos[link].talking]
+        victim = (silent or unread or candidates)[0]
+        self.evicted += 1
+        victim.close()  # on_link_closed -> forget: the counts drop now
+        if victim in self._hellos:  # a handler that did not forget it: never loop on it
+            self._drop_hello(victim)
+        return True
+
+    def _evict_idle(self) -> bool:
+        """At ``max_links`` with no link in its hello: close the accepted link idle the longest, if it carries
+        nothing and has been idle for ``hello_grace`` at least (its peer dials again when it needs it, as
+        after ``link_idle_timeout``). Without a secret anyone can say a valid hello: links kept open idle
+        must not fill the cap for good. False if there is none."""
+        now = asyncio.get_running_loop().time()
+        idle = [
+            link
+            for link, s in self._links.items()
+            if s.accepted and s.desc is not None and not (s.answering or s.opened or s.connecting or link.busy)
+            and now - link.last_activity >= self.limits.hello_grace
+        ]  # fmt: skip
+        if not idle:
+            return False
+        self.evicted_idle += 1
+        min(idle, key=lambda link: link.last_activity).close()
+        return True
+
+    def _drop_hello(self, link: ControlLink) -> None:
+        if self._hellos.pop(link, None) is not None:
+            self._hellos_from[link.peer_host] -= 1
+            if self._hellos_from[link.peer_host] <= 0:
+                del self._hellos_from[link.peer_host]
+
     def open(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: LinkHandler, *, accepted: bool
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: LinkHandler,
+        *,
+        accepted: bool,
+        talking: bool = False,
     ) -> ControlLink:
-        """A new link over a fresh connection; it stays here until it closes (``handler.on_link_closed``)."""
+        """A new link over a fresh connection; it stays here until it closes (``handler.on_link_closed``).
+        ``talking``: an accepted client had sent something by its accept."""
         link = ControlLink(reader, writer, handler, max_frame=self.limits.max_frame, timeout=self.limits.timeout)
-        self._links[link] = _LinkState(accepted)
+        state = self._links[link] = _LinkState(accepted, link.last_activity, talking)
         if accepted:
             self._accepted[link.peer_host] += 1
+            self._hellos[link] = state
+            self._hellos_from[link.peer_host] += 1
         return link
 
     def bind(self, link: ControlLink, desc: EngineDesc, session_key: bytes | None) -> bool:
@@ -117,6 +243,7 @@ class LinkRegistry:
             return False
         state.desc = desc
         state.session_key = session_key
+        self._drop_hello(link)  # its hello completed: no longer one that may be closed to make room
         return True
 
     # -- who is on which link ----------------------------------------------------------------------
@@ -246,6 +373,7 @@ class LinkRegistry:
         state = self._links.pop(link, None)
         if state is None:
             return None
+        self._drop_hello(link)
         if state.accepted:
             self._accepted[link.peer_host] -= 1
             if self._accepted[link.peer_host] <= 0:

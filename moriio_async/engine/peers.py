@@ -59,6 +59,10 @@ DONE_BACKLOG = 1 << 20
 a peer that stops reading cannot make this engine buffer them without bound."""
 
 
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues for the control listener (clipped to ``net.core.somaxconn``)."""
+
+
 class PeerTable:
     """Peers, their links and the control-plane protocol; a ``LinkHandler`` for every link."""
 
@@ -92,7 +96,8 @@ class PeerTable:
         )  # fmt: skip
         self.dropped_done = 0
         """``done`` notices not sent: no open link to their peer, or its link held ``DONE_BACKLOG`` unsent."""
-        self._listener = Listener(self._on_accept, admit=self._admit)
+        # A deep backlog: under a crowd, a real dialer waits its turn there instead of having its SYN dropped.
+        self._listener = Listener(self._on_accept, admit=self._admit, has_room=self._has_room, backlog=LISTEN_BACKLOG)
         self._handshakes: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._local: EngineDesc | None = None
@@ -279,8 +284,18 @@ class PeerTable:
             raise
         return link, welcome
 
+    def _has_room(self, pending: int, talking: bool) -> str | None:
+        evicted = self._links.evicted
+        why = self._links.make_room(pending, talking)
+        self._guard.evicted(self._links.evicted - evicted)
+        if why is not None:
+            self._guard.refused_link("*", why)  # keyed on no address: a crowd from many is one line
+        return why
+
     def _admit(self, host: str, pending_from_host: int, pending: int) -> str | None:
+        evicted, idle = self._links.evicted, self._links.evicted_idle
         why = self._links.admit(host, pending_from_host, pending)
+        self._guard.evicted(self._links.evicted - evicted, idle=self._links.evicted_idle - idle)
         if why is not None:
             self._guard.refused_link(host, why)
         return why
@@ -289,17 +304,21 @@ class PeerTable:
         if self._closing:
             writer.close()  # accepted just before close(): no link, no answer
             return
-        link = self._links.open(reader, writer, self, accepted=True)
+        peer = writer.get_extra_info("peername")
+        talking = isinstance(peer, tuple) and self._listener.talking(f"{peer[0]}:{peer[1]}")
+        link = self._links.open(reader, writer, self, accepted=True, talking=talking)
         task = asyncio.get_running_loop().create_task(self._answer_hello(link))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
 
     async def _answer_hello(self, link: ControlLink) -> None:
         """The listener's side of the hello, within one deadline; the link changes nothing unless it is welcome."""
-        timeout = self._links.limits.timeout
+        timeout = self._links.limits.hello_deadline  # short: nothing is proved yet (``links``)
         reply_to: int | None = None
         try:
             async with asyncio.timeout(timeout):
+                if self._guard.delayed(link.peer_host):  # a guesser's next try costs it this long (a timer)
+                    await asyncio.sleep(timeout / 4)
                 greeting = await self._handshake.answer(link, self.local)  # EngineClosed once close() began
                 if greeting is None or self._closing:
                     link.close()  # the client left, or close() began while the hello was on its way

@@ -49,9 +49,12 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-def dial(port: int, token: bytes, qp_num: int = 7, timeout: float = 5.0) -> tuple[socket.socket, int]:
-    """Open a data connection and say hello with ``token``; the socket and the hello-ack's status."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+def dial(
+    port: int, token: bytes, qp_num: int = 7, timeout: float = 5.0, source: str | None = None
+) -> tuple[socket.socket, int]:
+    """Open a data connection (from the address ``source``, if given) and say hello with ``token``; the
+    socket and the hello-ack's status."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source or "", 0))
     try:
         sock.sendall(hello_bytes(token, qp_num))
         _magic, _version, status, _qp = HELLO_ACK.unpack(recv_exactly(sock, HELLO_ACK.size))

@@ -188,3 +188,30 @@ def test_a_key_whose_window_was_renewed_counts_as_recently_used() -> None:
     assert rl.log("c", "c1")  # drops b
     assert not rl.log("a", "a3"), "a was dropped although b was the least recently used key"
     assert [r.getMessage() for r in out.records] == ["a1", "b1", "a2", "c1"]
+
+
+def test_rotating_keys_share_one_global_budget_then_a_summary_line() -> None:
+    """Issue 23: the limit was per key, so 2,000 bad frames from 2,000 addresses gave 2,000 lines. Every key
+    also shares ``global_burst`` lines per interval; the first call after that window says how many more
+    were suppressed."""
+    logger, out = captured("t.ratelog.global")
+    clock = Clock()
+    rl = RateLimitedLog(logger, interval=10, global_burst=5, clock=clock)
+    emitted = [rl.log(f"10.0.{i >> 8}.{i & 0xFF}", "bad frame from %s", str(i)) for i in range(2000)]
+    assert sum(emitted) == 5 and emitted[:5] == [True] * 5
+    assert rl.suppressed == 1995
+    clock.now = 10.0
+    assert rl.log("10.9.9.9", "bad frame from %s", "late")
+    lines = [r.getMessage() for r in out.records]
+    assert lines[:5] == [f"bad frame from {i}" for i in range(5)]
+    assert lines[5:] == [
+        "1995 more line(s) suppressed in the last 10s (over 5 lines from all sources)",
+        "bad frame from late",
+    ]
+
+
+def test_the_default_global_budget_holds_a_thousand_keys_to_twenty_lines() -> None:
+    logger, out = captured("t.ratelog.global.default")
+    rl = RateLimitedLog(logger, clock=Clock())
+    assert sum(rl.log(f"k{i}", "x") for i in range(1000)) == 20
+    assert len(out.records) == 20

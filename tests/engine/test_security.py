@@ -260,3 +260,27 @@ async def test_a_listener_that_does_not_authenticate_is_refused_by_a_dialer_that
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_proof_guesses_past_the_budget_each_wait_and_one_mistake_costs_nothing(backend: str) -> None:
+    """Issue 23: 1,848 proof guesses a second, unlimited. A failed proof is charged to its source; past
+    max_failures_per_source each new connection from there waits a quarter of the hello deadline (a timer,
+    not a sleep on the loop) before it is heard, so each guess costs that long. An honest peer from the same
+    address is delayed, not refused; one that got its proof wrong once is not delayed at all."""
+    cfg = IOEngineConfig(backend=backend, secret=SECRET, max_failures_per_source=5, hello_timeout=0.8)
+    async with IOEngine("b", cfg) as b, IOEngine("a", cfg) as a:
+        for _ in range(15):
+            said = await hello(b.address, "guesser", secret=SECRET, bad_proof=True, source="127.0.0.2")
+            assert (said.replies[0]["op"], said.last["op"], said.last["reason"]) == ("challenge", "error", "auth")
+            await said.close()
+        stats = b.statistics()
+        assert (stats["auth_failures"], stats["lockouts"], stats["delayed"]) == (15, 1, 10)
+        mistake = await hello(b.address, "a", secret=SECRET, bad_proof=True)  # 127.0.0.1, once
+        assert mistake.last["reason"] == "auth"
+        await mistake.close()
+        assert (await a.connect(b.address)).engine.key == "b"
+        assert b.statistics()["delayed"] == 10, "one mistake costs nothing"
+        honest = await hello(b.address, "c", secret=SECRET, source="127.0.0.2")
+        assert honest.welcomed, "an honest peer behind the guesser's address is delayed, not refused"
+        await honest.close()
+        assert b.statistics()["delayed"] == 11

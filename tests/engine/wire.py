@@ -60,9 +60,10 @@ def proven_transports(dialer: dict[str, Any], listener: dict[str, Any]) -> bytes
     return listed(dialer) + b"\n" + listed(listener)
 
 
-async def open_raw(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_raw(address: str, source: str | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection to ``address``, from the local address ``source`` if given."""
     host, port = address.rsplit(":", 1)
-    return await asyncio.open_connection(host, int(port))
+    return await asyncio.open_connection(host, int(port), local_addr=(source, 0) if source else None)
 
 
 async def read_message(reader: asyncio.StreamReader, timeout: float = 5) -> dict[str, Any]:
@@ -121,11 +122,12 @@ async def hello(
     auth: bool | None = None,
     bad_proof: bool = False,
     prove: bool = True,
+    source: str | None = None,
 ) -> Hello:
     """Say hello as engine ``key``: with ``secret``, answer the challenge with a proof (a wrong one if
     ``bad_proof``, none unless ``prove``); ``auth`` overrides what the hello claims. Stops at the first
-    refusal."""
-    reader, writer = await open_raw(address)
+    refusal. ``source``: the local address to connect from."""
+    reader, writer = await open_raw(address, source)
     nonce = os.urandom(32)
     claims = secret is not None if auth is None else auth
     msg: dict[str, Any] = {"op": "hello", "id": 1, "engine": engine_fields(key, backend, incarnation)}

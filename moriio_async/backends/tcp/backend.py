@@ -49,7 +49,7 @@ class TcpBackend(Backend):
         self.hooks: Hooks | None = hooks_from(options.extra)
         """Fault-injection hooks given to every queue pair created (see ``hooks.py``)."""
         self.regions = RegionTable()
-        self.guard = DataGuard()
+        self.guard = DataGuard(max_failures=options.max_failures_per_source, lockout=options.failure_lockout)
         """What peers did wrong on this data plane (counters, rate-limited lines)."""
         self._lock = threading.Lock()
         self._closed = False

@@ -3,14 +3,21 @@
 The listener's thread for an accepted connection and the responders report
 here: a hello that was not one (bad magic, version, or too slow: the
 per-message deadline), a token nobody waits for (guessed, replayed, or for a
-pair closed meanwhile), connections refused because too many hellos were
-under way, requests the target's checks refused, and receives aborted by a
+pair closed meanwhile), connections in their hello closed to make room,
+requests the target's checks refused, and receives aborted by a
 deregistration. Every line goes through a ``RateLimitedLog`` keyed on the
 remote address (or the pair), so a peer that guesses tokens or rkeys in a
 loop costs a line per interval, never a flood; the counters are plain
 integers under one lock. Refused requests are also handed to the listener
 the engine set (``TcpBackend.watch_access_errors``), which counts them per
 peer.
+
+Every lines's limiter also has a budget for all addresses together (one
+"N more suppressed" line past it), so rotating addresses does not flood
+either. An unknown token and a refused remote access are failed guesses:
+each is charged to its source's ``FailureBudget`` (``core.budget``), and a
+source over budget has each new connection wait before its hello is read
+(``delayed``) until its lockout ends.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from ...core.budget import FailureBudget, source_of
 from ...core.ratelog import RateLimitedLog
 
 __all__ = ["DataGuard"]
@@ -29,9 +37,14 @@ log = logging.getLogger("moriio_async.tcp")
 class DataGuard:
     """Counters and rate-limited lines for one backend's data plane (thread-safe)."""
 
-    def __init__(self, logger: logging.Logger = log, *, interval: float = 10.0) -> None:
+    def __init__(
+        self, logger: logging.Logger = log, *, interval: float = 10.0, max_failures: int = 16, lockout: float = 30.0
+    ) -> None:
         self._lock = threading.Lock()
         self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
+        self.budget = FailureBudget(max_failures, lockout)
+        """Failed guesses per source (tokens, remote accesses); the listener asks it at accept."""
+        self.evicted_hellos = 0
         self.refused_tokens = 0
         self.bad_messages = 0
         self.slow_messages = 0
@@ -48,6 +61,26 @@ class DataGuard:
         """A hello whose token no pair waits for: guessed, replayed, or for a pair closed meanwhile."""
         self._count("refused_tokens")
         self._warn.log(f"token:{host}", "tcp data port: refused a connection from %s: unknown or used token", host)
+        self._charge(host)
+
+    def _charge(self, host: str) -> None:
+        if self.budget.fail(source_of(host)):
+            self._warn.log(
+                f"lockout:{host}", "tcp data port: %s is over its budget of failed guesses: its connections wait",
+                host,
+            )  # fmt: skip
+
+    def delayed(self, host: str) -> bool:
+        """A connection from ``host`` arrived while its source is over its budget: it waits (counted)."""
+        if not self.budget.locked(source_of(host)):
+            return False
+        self._warn.log(f"delayed:{host}", "tcp data port: a connection from %s waits: too many failed guesses", host)
+        return True
+
+    def evicted_hello(self, host: str) -> None:
+        """A connection still in its hello was closed to make room for a newer one."""
+        self._count("evicted_hellos")
+        log.debug("tcp data port: closed a connection from %s still in its hello to make room", host)
 
     def bad_message(self, host: str, why: str) -> None:
         """A hello or chunk that is not one: bad magic or version, an unknown opcode, a bad count."""
@@ -59,14 +92,13 @@ class DataGuard:
         self._count("slow_messages")
         self._warn.log(f"slow:{where}", "tcp data port: %s: %s; connection closed", where, why)
 
-    def refused_connection(self, host: str, why: str) -> None:
-        self._count("refused_connections")
-        self._warn.log(f"busy:{host}", "tcp data port: refused a connection from %s: %s", host, why)
-
-    def access_error(self, qp_num: int, host: str, detail: str) -> None:
-        """The target's checks refused a request on answering pair ``qp_num``, from ``host``."""
+    def access_error(self, qp_num: int, host: str, detail: str, *, guess: bool = True) -> None:
+        """The target's checks refused a request on answering pair ``qp_num``, from ``host``; ``guess``:
+        charged to its source's budget (not for a region deregistered under it: that is the target's doing)."""
         self._count("access_errors")
         self._warn.log(f"access:{host}", "tcp qp %d (%s): remote access refused: %s", qp_num, host, detail)
+        if guess:
+            self._charge(host)
         listener = self.listener
         if listener is not None:
             listener(qp_num, detail)
@@ -86,4 +118,7 @@ class DataGuard:
                 "access_errors": self.access_errors,
                 "aborted_requests": self.aborted,
                 "suppressed_log_lines": self._warn.suppressed,
+                "evicted_hellos": self.evicted_hellos,
+                "lockouts": self.budget.lockouts,
+                "delayed": self.budget.delayed,
             }

@@ -13,11 +13,25 @@ only the engine that proved the secret on that link can compute it, and it
 never crosses the control link; without one, 16 random bytes sent over the
 (unauthenticated) control link, as before.
 
-The hello must arrive whole within ``connect_timeout`` of the accept, however
-its bytes are spaced; at most ``BackendOptions.max_data_hellos`` connections may be in their
-hello at once (more are closed at once). A hello with an unknown or used
-token, a bad magic or version, or too slow, is refused, counted and logged
-at a rate-limited WARNING (``DataGuard``).
+The hello must arrive whole within ``hello_timeout`` (at most
+``connect_timeout``) of the accept, however its bytes are spaced. At most
+``BackendOptions.max_data_hellos`` connections may be in their hello at once:
+one more closes the oldest one in its hello (a silent one first: nothing had
+come by its accept, while an honest dialer sends its hello at once); its
+socket is shut down, which wakes its thread. Over
+``max_data_hellos_per_address`` the oldest from that address that had half
+its deadline goes. The accept thread pauses a millisecond after each such
+close (so the threads just started read their hellos before newcomers could
+push them out), and the kernel's backlog is deep (``_BACKLOG``), so under a
+crowd of silent or trickling connections from any number of addresses a real
+dial waits its turn and gets in. A connection leaves the set as soon as its
+hello bytes are all in, before its token is looked up: one that got that far
+is never closed to make room. A hello with an unknown or used token, a bad
+magic or version, or too slow, is refused, counted and logged at a
+rate-limited WARNING (``DataGuard``); unknown tokens are failed guesses
+charged to their source, and a connection from a source over its budget
+waits a quarter of the hello deadline (on its own thread) before its hello
+is read, until the lockout ends.
 """
 
 from __future__ import annotations
@@ -37,11 +51,15 @@ from .wire import HELLO, HELLO_ACK, MAGIC, VERSION, HelloStatus, PeerGone, Vendo
 
 __all__ = ["Listener", "dial"]
 
-"""Accepted connections that may be in their hello at once (each holds a thread until it is done)."""
-
 log = logging.getLogger("moriio_async.tcp")
 
 _WILDCARDS = ("", "0.0.0.0", "::")
+_BACKLOG = 2048
+"""The kernel's queue of connections not yet accepted: deep, so that under a crowd of connections a real dial
+waits its turn in that queue (first come, first accepted) instead of having its SYN dropped and retried
+seconds later, a lottery against the crowd's own retries (Linux clips it to ``net.core.somaxconn``)."""
+_EVICTION_PAUSE = 0.00025
+"""Seconds the accept thread waits after closing a connection in its hello to make room."""
 
 
 class Listener:
@@ -52,7 +70,9 @@ class Listener:
         self.guard = guard
         self._lock = threading.Lock()
         self._closed = False
-        self._in_hello = 0
+        self._hellos: dict[Responder, tuple[str, float, bool]] = {}
+        """Connections in their hello (each holds a thread), oldest first: remote address, accept time, and
+        whether it had sent something at accept."""
         self._waiting: dict[bytes, PairState] = {}  # token -> passive pair expecting a dial
         self._threads: dict[Responder, threading.Thread] = {}
         family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
@@ -60,7 +80,7 @@ class Listener:
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((options.host, 0))
-            self._sock.listen(128)
+            self._sock.listen(_BACKLOG)
             self.port: int = self._sock.getsockname()[1]
             # Peers dial what endpoint() says: a wildcard bind advertises this host's address.
             wildcard = options.host in _WILDCARDS
@@ -120,6 +140,8 @@ class Listener:
                 log.warning("tcp backend port %d: accept failed: %s", self.port, exc)
                 time.sleep(0.05)  # e.g. EMFILE: do not spin
                 continue
+            host = _host(conn)
+            talking = _talking(conn)
             responder = Responder(conn, self.guard, self.options.retry_timeout)
             thread = threading.Thread(target=self._connection, args=(responder,), daemon=True,
                                       name=f"moriio-tcp-resp-{self.port}")  # fmt: skip
@@ -128,17 +150,48 @@ class Listener:
                 if self._closed:
                     conn.close()
                     return
-                busy = self._in_hello >= self.options.max_data_hellos
-                if not busy:
-                    self._in_hello += 1
-                    self._threads[responder] = thread
-            if busy:
-                self.guard.refused_connection(
-                    _host(conn), f"{self.options.max_data_hellos} connections are in their hello already"
-                )
-                conn.close()
-                continue
+                evicted = self._make_room(host)
+                self._hellos[responder] = (host, time.monotonic(), talking)
+                self._threads[responder] = thread
+            for victim, victim_host in evicted:
+                victim.stop()  # wakes its thread, which finds it was evicted and leaves
+                self.guard.evicted_hello(victim_host)
             thread.start()
+            if evicted:
+                # At most four evictions a millisecond: the threads of connections just accepted get to read
+                # their hello (the GIL goes to them) before a flood of newcomers could push them out.
+                time.sleep(_EVICTION_PAUSE)
+
+    @property
+    def _hello_deadline(self) -> float:
+        return min(self.options.hello_timeout, self.options.connect_timeout)
+
+    def _make_room(self, host: str) -> list[tuple[Responder, str]]:
+        """Under the lock: take out of their hello the connections that must go for one from ``host`` (the
+        caller stops them). Over ``max_data_hellos_per_address``: the oldest from ``host`` that had half its
+        deadline. At ``max_data_hellos``: the oldest silent one (nothing had come by its accept; an honest
+        dialer sends its hello at once), else the oldest."""
+        ripe_since = time.monotonic() - self._hello_deadline / 2
+        evicted: list[tuple[Responder, str]] = []
+
+        def take(pick: list[Responder]) -> bool:
+            if pick:
+                evicted.append((pick[0], self._hellos.pop(pick[0])[0]))
+            return bool(pick)
+
+        if sum(h == host for h, _, _ in self._hellos.values()) >= self.options.max_data_hellos_per_address:
+            take([r for r, (h, since, _) in self._hellos.items() if h == host and since <= ripe_since])
+        if len(self._hellos) >= self.options.max_data_hellos:
+            # Every one here has not got its whole hello in yet (it leaves the set as it does): the oldest
+            # silent one goes (nothing at accept), else the oldest.
+            silent = [r for r, (_, _, said) in self._hellos.items() if not said]
+            take(silent or list(self._hellos))
+        return evicted
+
+    def _done_with_hello(self, responder: Responder) -> bool:
+        """Its hello's bytes are all in (or it ended): out of the set; False if it was evicted meanwhile."""
+        with self._lock:
+            return self._hellos.pop(responder, None) is not None
 
     def _connection(self, responder: Responder) -> None:
         st: PairState | None = None
@@ -146,8 +199,7 @@ class Listener:
             try:
                 st = self._answer(responder)
             finally:
-                with self._lock:
-                    self._in_hello -= 1
+                self._done_with_hello(responder)
             if st is not None:
                 responder.serve(st)
         except PeerGone as exc:
@@ -167,20 +219,25 @@ class Listener:
         takes the connection (and the token is gone)."""
         sock = responder.sock
         host = _host(sock)
-        deadline = time.monotonic() + self.options.connect_timeout
+        timeout = self._hello_deadline
+        deadline = time.monotonic() + timeout
         hello = bytearray(HELLO.size)
         view = memoryview(hello)
+        if self.guard.delayed(host) and not responder.pause(timeout / 4):  # a guesser's next try costs this
+            return None
         try:
             while view:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.guard.slow_message(host, f"no whole hello within {self.options.connect_timeout:g}s")
+                    self.guard.slow_message(host, f"no whole hello within {timeout:g}s")
                     return None
                 sock.settimeout(left)
                 n = sock.recv_into(view)
                 if not n:
                     return None
                 view = view[n:]
+            if not self._done_with_hello(responder):
+                return None  # closed to make room just as its last byte came: it goes as it was told
             magic, version, _flags, token, _peer_qp = HELLO.unpack(hello)
             if magic != MAGIC:
                 self.guard.bad_message(host, "not a moriio data-port hello")
@@ -198,11 +255,19 @@ class Listener:
             configure_data_socket(sock, self.options.retry_timeout)
             sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, st.qp_num))
         except TimeoutError:
-            self.guard.slow_message(host, f"no whole hello within {self.options.connect_timeout:g}s")
+            self.guard.slow_message(host, f"no whole hello within {timeout:g}s")
             return None
         except OSError:
             return None
         return st
+
+
+def _talking(sock: socket.socket) -> bool:
+    """The client had sent something by its accept (peeked, not read; never waits)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # BlockingIOError: nothing yet
+        return False
 
 
 def _host(sock: socket.socket) -> str:

@@ -64,6 +64,7 @@ class Responder:
         self.deadline = Deadline(sock, timeout)
         self._sock_lock = threading.Lock()  # stop() never races close() onto a reused fd; guards the two below
         self._stopped = False
+        self._stop_event = threading.Event()
         self._writes = False  # the chunk being served is WRITEs: its regions are pinned to receive into
         self._moving = False  # between pinning a chunk's regions and the end of its socket call on them
         self._cut = False  # abort shut the socket during that call: the connection cannot go on
@@ -75,6 +76,11 @@ class Responder:
         with self._sock_lock:
             self._stopped = True
             self._shut_locked(socket.SHUT_RDWR)
+        self._stop_event.set()
+
+    def pause(self, seconds: float) -> bool:
+        """Wait on the serving thread (``stop`` ends it early); False if stopped."""
+        return not self._stop_event.wait(seconds)
 
     def abort(self) -> None:
         """A region this responder holds is being deregistered: end the socket call on it now.
@@ -345,7 +351,8 @@ class Responder:
         rkey, _r, addr, length = (int(x) for x in (desc.tolist() if isinstance(desc, np.void) else desc))
         what = "WRITE" if op == _WRITE else "READ"
         detail = f"{what} rkey {rkey:#x} [{addr:#x}, +{length}): {vendor.name}"
-        self.guard.access_error(st.qp_num, _host(self.sock), detail)
+        guess = vendor is not VendorErr.REMOTE_DEREGISTERED  # a stale region is the target's doing, not a guess
+        self.guard.access_error(st.qp_num, _host(self.sock), detail, guess=guess)
 
     def _refuse_rest(self, sock: socket.socket, scratch: memoryview) -> None:
         """After an error response: execute nothing more, drain until the initiator hangs up (for at
