@@ -11,6 +11,8 @@ launcher that dies leaves no server behind. Facts its environment carries:
 - ``VLLM_CPU_KVCACHE_SPACE`` (GiB): the CPU KV cache size;
 - ``THP_MEM_ALLOC_ENABLE=1``: page-aligned KV caches, which vLLM's MoRIIO connector needs
   (see :mod:`moriio_async.integrations.vllm`);
+- ``VLLM_CPU_OMP_THREADS_BIND=nobind``: servers sharing a host share its cores (vLLM's default pins
+  every server's worker to the same core);
 - ``PYTHONPATH``: this checkout, so vLLM imports this ``moriio_async``.
 """
 
@@ -146,6 +148,9 @@ class VllmFleet:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "THP_MEM_ALLOC_ENABLE": "1",
             "VLLM_NO_USAGE_STATS": "1",
+            # vLLM's CPU worker pins itself to cores by default; several servers on one small machine would all
+            # pin to the same core (each a local rank 0) and starve each other, a restarted one for minutes.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "DO_NOT_TRACK": "1",
             **env,
         }
