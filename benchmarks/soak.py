@@ -3,6 +3,7 @@ connections beside them; every transfer must end exactly once, none lost, memory
 
     python benchmarks/soak.py                          # 200k transfers, the built-in fault plan
     python benchmarks/soak.py --transfers 2000000      # millions
+    python benchmarks/soak.py --seconds 300 --transfers 50000000 --hostile 8   # five minutes under attack
     python benchmarks/soak.py --plan examples/fault_plans/error_status.json --no-secret
 
 The initiator (this process) keeps ``--depth`` single-block READs and WRITEs in
@@ -178,14 +179,20 @@ class Books:
         self.ends = np.zeros(n, dtype=np.uint8)
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.ended = 0
+        self.expected = n  # lowered to what was issued when a --seconds run stops early
         self.all_ended = asyncio.Event()
+
+    def issued(self, n: int) -> None:
+        self.expected = n
+        if self.ended >= n:
+            self.all_ended.set()
 
     def on_end(self, release: Callable[[], None], i: int, t: Transfer) -> None:
         self.ends[i] = min(255, int(self.ends[i]) + 1)
         self.ended += 1
         self.outcomes["SUCCESS" if t.Succeeded() else t.Message().split(":")[0].split(" (")[0][:40]] += 1
         release()
-        if self.ended >= len(self.ends):
+        if self.ended >= self.expected:
             self.all_ended.set()
 
 
@@ -218,17 +225,25 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
         samples: list[tuple[int, float, float]] = []  # (transfers issued, initiator RSS MB, target RSS MB)
         every = max(1, args.transfers // 10)
         began = time.perf_counter()
+        until = began + args.seconds if args.seconds else float("inf")
+        next_sample = began + args.seconds / 10 if args.seconds else float("inf")
         progress = _progress(args.transfers)
+        issued = 0
         for i in range(args.transfers):
+            if time.perf_counter() >= until:
+                break
             await window.acquire()
+            issued = i + 1
             off = offsets[i % len(offsets)]
             t = session.read(off, off, BLOCK) if i & 1 else session.write(off, off, BLOCK)
             t.add_done_callback(functools.partial(books.on_end, window.release, i))
             if i % 4096 == 0:
                 progress(books.ended)
-            if i % every == every - 1:
+            if (not args.seconds and i % every == every - 1) or (i % 4096 == 0 and time.perf_counter() >= next_sample):
+                next_sample += args.seconds / 10 if args.seconds else 0
                 mine, theirs = rss_and_fds()[0], rss_and_fds(target.pid or 0)[0]
                 samples.append((i + 1, round(mine / 2**20, 1), round(theirs / 2**20, 1)))
+        books.issued(issued)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(books.all_ended.wait(), 60)  # what has not ended by then is lost
         progress(books.ended, final=True)
@@ -245,13 +260,14 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
     target_report = parent.recv()
     target.join(10)
 
-    once = int((books.ends == 1).sum())
-    more = int((books.ends > 1).sum())
-    lost = int((books.ends == 0).sum())
+    ends = books.ends[:issued]
+    once = int((ends == 1).sum())
+    more = int((ends > 1).sum())
+    lost = int((ends == 0).sum())
     report = {
-        "transfers": args.transfers, "depth": args.depth, "block": BLOCK, "secret": bool(secret),
+        "transfers": issued, "depth": args.depth, "block": BLOCK, "secret": bool(secret),
         "plan": args.plan or "built in",
-        "seconds": round(elapsed, 1), "transfers_per_s": round(args.transfers / elapsed),
+        "seconds": round(elapsed, 1), "transfers_per_s": round(issued / elapsed),
         "ended_exactly_once": once, "ended_more_than_once": more, "lost": lost,
         "outcomes": dict(books.outcomes.most_common()),
         "hostile_attempts": dict(zip(["rogue-hello", "nested", "garbage", "token", "trickle"], counts[:], strict=True)),
@@ -313,7 +329,8 @@ def _print(report: dict[str, Any]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transfers", type=int, default=200_000)
+    p.add_argument("--transfers", type=int, default=200_000, help="how many (with --seconds: at most)")
+    p.add_argument("--seconds", type=float, default=0.0, help="run for this long instead (0: until --transfers)")
     p.add_argument("--depth", type=int, default=64, help="transfers in flight")
     p.add_argument("--region", type=int, default=8 << 20, help="bytes of the target's region")
     p.add_argument("--plan", help="a fault plan (JSON, e.g. examples/fault_plans/*.json), or none; default: built in")
