@@ -34,6 +34,8 @@ from .settings import ConnectorSettings
 
 __all__ = ["PAGE", "MoRIIOAsyncConnector", "MoRIIOConnector"]
 
+log = logging.getLogger("moriio_async")
+
 PAGE = 4096
 _MODULES = (  # a module before those that import names from it
     "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_engine",
@@ -81,6 +83,10 @@ class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
         ConnectorSettings.resolve(extra).apply()
         super().__init__(vllm_config, role, kv_cache_config)
 
+        worker = getattr(self, "connector_worker", None)
+        if worker is not None:
+            _forget_dead_peers_on_failure(worker)
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()), None)
         if first is not None and hasattr(first, "untyped_storage"):
@@ -95,3 +101,41 @@ class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
 
 
 MoRIIOConnector = MoRIIOAsyncConnector
+
+# What vLLM 0.32's MoRIIO worker caches per remote engine after its handshake (engine id -> ...).
+_PEER_CACHES = ("_remote_agents", "layer_name_to_remote_kv_cache_metadata", "built_write_session",
+                "remote_moriio_metadata")  # fmt: skip
+
+
+def _forget_dead_peers_on_failure(worker: Any) -> None:
+    """After a failed KV read, forget the handshake of every remote engine whose sessions are dead.
+
+    vLLM's connector handshakes once per remote engine id (``host:handshake_port``)
+    and keeps its sessions and memory descriptors for good. A prefill server
+    that restarts keeps its engine id, so a decode server would read through
+    sessions to the dead incarnation for ever (moriio_async refuses them: a
+    restarted peer's regions are never reached through its predecessor's
+    descriptors). Dropping the cached entries of engines whose sessions are no
+    longer alive makes the next request handshake again, with the new
+    incarnation. Nothing is done when this vLLM keeps other names.
+    """
+    record = getattr(worker, "_record_failed_recv", None)
+    lock = getattr(worker, "_handshake_lock", None)
+    if record is None or lock is None or not all(hasattr(worker, name) for name in _PEER_CACHES):
+        log.info("vLLM's MoRIIO worker has no known handshake caches: a restarted peer is not re-handshaken")
+        return
+
+    def record_then_forget(req_id: Any) -> None:
+        record(req_id)
+        sessions: dict[str, list[Any]] = worker.built_write_session
+        dead = [eid for eid, ss in list(sessions.items()) if any(not s.alive() for s in ss if s is not None)]
+        if not dead:
+            return
+        with lock:
+            for eid in dead:
+                for name in _PEER_CACHES:
+                    getattr(worker, name).pop(eid, None)
+        log.warning("remote engine(s) %s gone or restarted: their handshake is forgotten, the next request redoes it",
+                    ", ".join(map(str, dead)))  # fmt: skip
+
+    worker._record_failed_recv = record_then_forget

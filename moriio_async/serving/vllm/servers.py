@@ -102,6 +102,9 @@ class ServerSpec:
                 "handshake_port": str(self.handshake_port),
                 "notify_port": str(self.notify_port),
                 "transfer_timeout": str(self.transfer_timeout),
+                # how long a server keeps blocks for a peer that went away (vLLM's defaults: 60 and 120 s)
+                "defer_timeout": str(2 * self.transfer_timeout),
+                "recv_abort_timeout": str(2 * self.transfer_timeout),
                 "transport": self.transport,
                 **self.extra,
             },
