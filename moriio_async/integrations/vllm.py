@@ -84,8 +84,12 @@ class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
 
         worker = getattr(self, "connector_worker", None)
-        if worker is not None:
-            _forget_dead_peers_on_failure(worker)
+        self._peer_caches = _PeerCaches(worker) if worker is not None else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._peer_caches is not None:
+            self._peer_caches.forget_dead()  # before this step's reads pick their sessions
+        super().start_load_kv(forward_context, **kwargs)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()), None)
@@ -107,35 +111,47 @@ _PEER_CACHES = ("_remote_agents", "layer_name_to_remote_kv_cache_metadata", "bui
                 "remote_moriio_metadata")  # fmt: skip
 
 
-def _forget_dead_peers_on_failure(worker: Any) -> None:
-    """After a failed KV read, forget the handshake of every remote engine whose sessions are dead.
+class _PeerCaches:
+    """vLLM's per-remote-engine handshake caches in one worker, and the one thing done to them: forget the dead.
 
     vLLM's connector handshakes once per remote engine id (``host:handshake_port``)
-    and keeps its sessions and memory descriptors for good. A prefill server
-    that restarts keeps its engine id, so a decode server would read through
-    sessions to the dead incarnation for ever (moriio_async refuses them: a
-    restarted peer's regions are never reached through its predecessor's
-    descriptors). Dropping the cached entries of engines whose sessions are no
-    longer alive makes the next request handshake again, with the new
-    incarnation. Nothing is done when this vLLM keeps other names.
+    and keeps that engine's sessions and memory descriptors for good. A prefill
+    server that restarts keeps its engine id, so a decode server would read
+    through sessions to the dead incarnation for ever (moriio_async refuses
+    them: a restarted peer's regions are never reached through its
+    predecessor's descriptors). Forgetting the entries of engines whose
+    sessions are no longer alive (``IOEngineSession.alive()``: the peer died,
+    restarted, or its pair failed) makes the next request handshake again,
+    with whatever incarnation answers. Done before each step's loads and after
+    each failed read; nothing is done when this vLLM keeps other names.
     """
-    record = getattr(worker, "_record_failed_recv", None)
-    lock = getattr(worker, "_handshake_lock", None)
-    if record is None or lock is None or not all(hasattr(worker, name) for name in _PEER_CACHES):
-        log.info("vLLM's MoRIIO worker has no known handshake caches: a restarted peer is not re-handshaken")
-        return
 
-    def record_then_forget(req_id: Any) -> None:
-        record(req_id)
-        sessions: dict[str, list[Any]] = worker.built_write_session
-        dead = [eid for eid, ss in list(sessions.items()) if any(not s.alive() for s in ss if s is not None)]
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.lock = getattr(worker, "_handshake_lock", None)
+        self.known = self.lock is not None and all(hasattr(worker, name) for name in _PEER_CACHES)
+        if not self.known:
+            log.info("vLLM's MoRIIO worker has no known handshake caches: a restarted peer is not re-handshaken")
+            return
+        record = worker._record_failed_recv
+
+        def record_then_forget(req_id: Any) -> None:
+            record(req_id)
+            self.forget_dead()
+
+        worker._record_failed_recv = record_then_forget
+
+    def forget_dead(self) -> None:
+        if not self.known:
+            return
+        sessions: dict[str, list[Any]] = self.worker.built_write_session
+        dead = [eid for eid, ss in list(sessions.items()) if any(s is not None and not s.alive() for s in ss)]
         if not dead:
             return
-        with lock:
+        assert self.lock is not None
+        with self.lock:
             for eid in dead:
                 for name in _PEER_CACHES:
-                    getattr(worker, name).pop(eid, None)
+                    getattr(self.worker, name).pop(eid, None)
         log.warning("remote engine(s) %s gone or restarted: their handshake is forgotten, the next request redoes it",
                     ", ".join(map(str, dead)))  # fmt: skip
-
-    worker._record_failed_recv = record_then_forget

@@ -162,7 +162,7 @@ class VllmDemo:
 
     async def blocks_left(self, prefill: Server, decode: Server) -> dict[str, int]:
         """1 for a server whose KV cache is still in use once vLLM's own timeouts have passed, else 0."""
-        deadline = time.monotonic() + 2 * self.args.transfer_timeout + 10  # the servers' defer/abort timeouts
+        deadline = time.monotonic() + 4 * self.args.transfer_timeout + 20  # past the servers' defer/abort timeouts
         while True:
             usage = {srv.spec.name: await self.kv_usage(srv) for srv in (prefill, decode)}
             if all(u == 0.0 for u in usage.values()) or time.monotonic() > deadline:
