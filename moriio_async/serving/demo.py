@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .config import add_model_args, add_timeout_args, model_config
-from .launcher import SECRET_ENV, Child, Launcher
+from .launcher import SECRET_ENV, Child, Launcher, group_alive
 from .model import Model, decode_text, encode
 from .report import KillReport, ModeReport, render_table
 from .vllm.args import add_vllm_args
@@ -342,7 +342,7 @@ def run_demo(args: argparse.Namespace) -> int:
         finally:
             statuses = await asyncio.shield(demo.launcher.close())
             await demo.client.aclose()
-        left = [c.name for c in demo.launcher.children if c.pid is not None and _group_alive(c.pid)]
+        left = [c.name for c in demo.launcher.children if c.pid is not None and group_alive(c.pid)]
         if left:
             demo.err.print(f"[red]processes left behind: {left}[/]")
         # uvicorn re-raises the SIGTERM it shut down on: -SIGTERM is a clean stop.
@@ -357,13 +357,3 @@ def run_demo(args: argparse.Namespace) -> int:
     except ImportError:
         return asyncio.run(guarded())
     return uvloop.run(guarded())
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SECRET_ENV", "Child", "Launcher", "StartFailed"]
+__all__ = ["SECRET_ENV", "Child", "Launcher", "StartFailed", "group_alive"]
 
 SECRET_ENV = "MORIIO_ASYNC_SECRET"
 """The variable every ``IOEngine`` reads its shared secret from (serving uses only the public API, which
@@ -160,3 +160,13 @@ class Launcher:
             codes = await asyncio.gather(*(self.stop(c) for c in group))
             statuses.update({c.name: code for c, code in zip(group, codes, strict=True)})
         return statuses
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies waiting to be reaped by init do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False

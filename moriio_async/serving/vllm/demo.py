@@ -35,6 +35,7 @@ import httpx
 import uvicorn
 from rich.console import Console
 
+from ..launcher import group_alive
 from ..report import KillReport, ModeReport, table_of
 from ..workload import Result, make_prompts
 from . import venv
@@ -278,19 +279,9 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
         finally:
             await asyncio.shield(demo.fleet.close())
             await demo.client.aclose()
-            left = [s.spec.name for s in demo.fleet.servers if s.proc is not None and _group_alive(s.proc.pid)]
+            left = [s.spec.name for s in demo.fleet.servers if s.proc is not None and group_alive(s.proc.pid)]
             if left:
                 err.print(f"[red]processes left behind: {left}[/]")
             err.print(f"stopped {len(demo.fleet.servers)} vLLM servers; logs in {run_dir}")
 
     return asyncio.run(guarded())
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies waiting to be reaped by init do not count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
