@@ -86,11 +86,6 @@ class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
         worker = getattr(self, "connector_worker", None)
         self._peer_caches = _PeerCaches(worker) if worker is not None else None
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._peer_caches is not None:
-            self._peer_caches.forget_dead()  # before this step's reads pick their sessions
-        super().start_load_kv(forward_context, **kwargs)
-
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()), None)
         if first is not None and hasattr(first, "untyped_storage"):
@@ -122,8 +117,9 @@ class _PeerCaches:
     predecessor's descriptors). Forgetting the entries of engines whose
     sessions are no longer alive (``IOEngineSession.alive()``: the peer died,
     restarted, or its pair failed) makes the next request handshake again,
-    with whatever incarnation answers. Done before each step's loads and after
-    each failed read; nothing is done when this vLLM keeps other names.
+    with whatever incarnation answers. Done after each failed read (the
+    failed request itself is not retried: vLLM fails it); nothing is done
+    when this vLLM keeps other names.
     """
 
     def __init__(self, worker: Any) -> None:
