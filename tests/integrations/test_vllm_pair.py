@@ -48,7 +48,8 @@ def demo(tmp_path: Path, *flags: str) -> tuple[int, str, dict[str, Any]]:
     out = tmp_path / "demo.json"
     argv = [sys.executable, "-m", "moriio_async.serving", "demo", "--engine", "vllm", *LOAD]
     argv += ["--transfer-timeout", str(TIMEOUT), "--json", str(out), "--log-dir", str(tmp_path / "logs"), *flags]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1400, check=False, cwd=ROOT)
+    env = {**os.environ, "COLUMNS": "200"}  # the table's rows unwrapped, as on a wide terminal
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1400, check=False, cwd=ROOT, env=env)
     text = proc.stdout + proc.stderr
     return proc.returncode, text, json.loads(out.read_text()) if out.exists() else {}
 
