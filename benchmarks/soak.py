@@ -353,7 +353,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0 if report["ended_exactly_once"] == args.transfers else 1
+    ok = report["lost"] == report["ended_more_than_once"] == 0 and report["ended_exactly_once"] == report["transfers"]
+    return 0 if ok and (args.seconds or report["transfers"] == args.transfers) else 1
 
 
 if __name__ == "__main__":
