@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -239,6 +240,15 @@ class Bench:
                 continue
             col.samples.append(Sample(i, ttft, after[0] - before[0] if after[1] > before[1] else None, text))
 
+    async def warm_up(self, proxy: VllmProxy, nixl: list[Server]) -> None:
+        """One request per connector, not counted: with an explicit KV size vLLM-CPU skips its warm-up forward,
+        so a server's first request pays for the kernels' first use (over 30 s on this loaded machine)."""
+        with contextlib.suppress(Exception):
+            await moriio_request(proxy, self.body(0))
+        if nixl:
+            with contextlib.suppress(Exception):
+                await nixl_request(self.client, nixl[0], nixl[1], self.body(0))
+
     def moriio_proxy(self, p: Server, d: Server) -> VllmProxy:
         peer = [Peer(s.spec.url, "127.0.0.1", s.spec.handshake_port, s.spec.notify_port) for s in (p, d)]
         settings = VllmProxySettings([peer[0]], [peer[1]], mode="read", transfer_timeout=self.args.transfer_timeout)
@@ -288,6 +298,7 @@ class Bench:
                         nixl = results[1]
                 self.err.print(f"healthy after {time.monotonic() - t0:.0f}s")
                 proxy = self.moriio_proxy(*pair)
+                await self.warm_up(proxy, nixl if nixl_col.not_run is None else [])
                 for r in range(a.rounds):
                     self.loads.append(os.getloadavg()[0])
                     legs = [self.moriio_round(col, proxy)]
@@ -309,7 +320,7 @@ def ms(v: float | None) -> str:
 
 
 def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if a and b else "-"
+    return f"{a / b:.3g}" if a and b else "-"
 
 
 def mismatches(columns: list[Column], nixl: Column) -> tuple[int, int]:
@@ -368,7 +379,7 @@ def main() -> int:
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    err, out = Console(stderr=True), Console()
+    err, out = Console(stderr=True), Console(width=160)  # the table is wide; a log file is not a terminal
     env = venv.VllmEnv(venv.default_location())
     if not env.ready():
         err.print(f"no vLLM venv at {env.root}: run ./scripts/demo --engine vllm once (it installs it)")
