@@ -70,7 +70,15 @@ def free_port() -> int:
 
 @dataclass
 class ServerSpec:
-    """One vLLM server. ``role`` None is a plain vLLM (the reference), with no connector."""
+    """One vLLM server. ``role`` None is a plain vLLM (the reference), with no connector.
+
+    ``kv_transfer`` replaces the MoRIIO connector config (another connector, e.g.
+    vLLM's NixlConnector in a benchmark); ``env`` is added to the fleet's
+    environment for this server only (a connector's per-server ports; a None
+    value removes the fleet's variable, e.g. ``VLLM_CPU_KVCACHE_SPACE``, whose
+    whole GiB would override ``--kv-cache-memory-bytes``); ``args``
+    go to the end of its command line (``--kv-cache-memory-bytes ...``).
+    """
 
     name: str
     model: Path
@@ -83,12 +91,17 @@ class ServerSpec:
     transfer_timeout: float = 30.0
     seed: int = 0
     extra: dict[str, str] = field(default_factory=dict)
+    kv_transfer: dict[str, object] | None = None
+    env: dict[str, str | None] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def kv_transfer_config(self) -> dict[str, object] | None:
+        if self.kv_transfer is not None:
+            return self.kv_transfer
         if self.role is None:
             return None
         return {
@@ -116,7 +129,7 @@ class ServerSpec:
         args += ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "--no-enable-prefix-caching"]
         if (cfg := self.kv_transfer_config()) is not None:
             args += ["--kv-transfer-config", json.dumps(cfg)]
-        return args
+        return args + self.args
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -159,6 +172,16 @@ class VllmFleet:
         }
         self.servers: list[Server] = []
 
+    def env_for(self, spec: ServerSpec) -> dict[str, str]:
+        """The environment ``spec``'s server runs with: the fleet's, then the spec's own on top (None: unset)."""
+        env = {**self.env}
+        for key, value in spec.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
     async def start(self, specs: list[ServerSpec]) -> list[Server]:
         """Start every server at once (startup is the slow part) and wait until all are healthy."""
         servers = [Server(s, self.log_dir / f"{s.name}.log") for s in specs]
@@ -179,7 +202,7 @@ class VllmFleet:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
-                env=self.env,
+                env=self.env_for(srv.spec),
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
