@@ -350,12 +350,16 @@ def test_an_aborted_call_that_does_not_return_is_logged_and_still_waited_for(cap
     assert r.pin(stuck)
     done = threading.Event()
     with caplog.at_level(logging.WARNING, logger="moriio_async.tcp"):
-        t = threading.Thread(target=lambda: (table.deregister(r), done.set()))
+        # daemon, and unpinned whatever the assertions say: a failure here must not leave a thread that keeps
+        # the test process from exiting
+        t = threading.Thread(target=lambda: (table.deregister(r), done.set()), daemon=True)
         t.start()
-        time.sleep(ABORT_GRACE + 0.5)
-        assert not done.is_set()
-        messages = [rec.getMessage() for rec in caplog.records if rec.name == "moriio_async.tcp"]
-        assert messages == [f"tcp region {r.addr:#x}: aborted socket calls still hold it after {ABORT_GRACE:g}s"]
-        r.unpin(stuck)
-        t.join(5)
+        try:
+            time.sleep(ABORT_GRACE + 0.5)
+            assert not done.is_set()
+            messages = [rec.getMessage() for rec in caplog.records if rec.name == "moriio_async.tcp"]
+            assert messages == [f"tcp region {r.addr:#x}: aborted socket calls still hold it after {ABORT_GRACE:g}s"]
+        finally:
+            r.unpin(stuck)
+            t.join(5)
     assert done.is_set() and stuck.aborts == 1
