@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .config import add_model_args, add_timeout_args, model_config
-from .launcher import SECRET_ENV, Child, Launcher, group_alive
+from .launcher import SECRET_ENV, Child, Launcher, cancel_on_signals, group_alive
 from .model import Model, decode_text, encode
 from .report import KillReport, ModeReport, render_table
 from .vllm.args import add_vllm_args
@@ -328,11 +328,7 @@ def run_demo(args: argparse.Namespace) -> int:
     demo = Demo(args, log_dir)
 
     async def guarded() -> int:
-        main = asyncio.current_task()
-        assert main is not None
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, main.cancel)
+        cancel_on_signals()
         code = 1
         try:
             code = await demo.main()

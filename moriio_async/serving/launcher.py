@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SECRET_ENV", "Child", "Launcher", "StartFailed", "group_alive"]
+__all__ = ["SECRET_ENV", "Child", "Launcher", "StartFailed", "cancel_on_signals", "group_alive"]
 
 SECRET_ENV = "MORIIO_ASYNC_SECRET"
 """The variable every ``IOEngine`` reads its shared secret from (serving uses only the public API, which
@@ -170,3 +170,12 @@ def group_alive(pgid: int) -> bool:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 return True
     return False
+
+
+def cancel_on_signals() -> None:
+    """Ctrl-C and SIGTERM cancel the running task, so its ``finally`` stops every process it started."""
+    main = asyncio.current_task()
+    assert main is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)

@@ -35,7 +35,7 @@ import httpx
 import uvicorn
 from rich.console import Console
 
-from ..launcher import group_alive
+from ..launcher import cancel_on_signals, group_alive
 from ..report import KillReport, ModeReport, table_of
 from ..workload import Result, make_prompts
 from . import venv
@@ -266,11 +266,7 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
     demo = VllmDemo(args, run_dir, python, model)
 
     async def guarded() -> int:
-        main = asyncio.current_task()
-        assert main is not None
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, main.cancel)
+        cancel_on_signals()
         try:
             return await demo.main()
         except asyncio.CancelledError:
