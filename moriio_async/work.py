@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .status import Opcode, WcStatus
 
-__all__ = ["Sge", "WorkBatch", "WorkCompletion", "WorkRequest"]
+__all__ = ["Sge", "WorkBatch", "WorkCompletion", "WorkRequest", "cached_key_pairs"]
 
 U64 = npt.NDArray[np.uint64]
 U32 = npt.NDArray[np.uint32]
@@ -29,8 +30,30 @@ U8 = npt.NDArray[np.uint8]
 Bools = npt.NDArray[np.bool_]
 
 
-_ONE_SGE = np.array((0, 1), dtype=np.int64)
-_ONE_SGE.flags.writeable = False
+def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    a.flags.writeable = False
+    return a
+
+
+# Shared by every one-request batch (``WorkBatch.one``): batch arrays are never written.
+_ONE_SGE = _frozen(np.array((0, 1), dtype=np.int64))
+_SIGNALED_ONE = _frozen(np.ones(1, dtype=np.bool_))
+_OPCODE_ONE = {op: _frozen(np.array((int(op),), dtype=np.uint8)) for op in Opcode}
+_KEYS: dict[tuple[int, int], tuple[U32, U32]] = {}
+
+
+def _keys(rkey: int, lkey: int) -> tuple[U32, U32]:
+    """A pair of keys as one-element arrays, made once (a session posts under the same pair)."""
+    if len(_KEYS) >= 1024:
+        _KEYS.clear()
+    both = _frozen(np.array((rkey, lkey), dtype=np.uint32))
+    keys = _KEYS[rkey, lkey] = (both[0:1], both[1:2])
+    return keys
+
+
+def cached_key_pairs() -> int:
+    """How many (rkey, lkey) pairs one-request batches hold as arrays now (at most 1024; inspection)."""
+    return len(_KEYS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +157,22 @@ class WorkBatch:
             self.sge_length[a:b],
             self.sge_lkey[a:b],
         )
+
+    @classmethod
+    def one(
+        cls, wr_id: int, opcode: Opcode, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int
+    ) -> WorkBatch:
+        """One signaled request with one scatter entry (the single read or write): a handful of tiny
+        arrays, the constant ones shared (read-only) by every such batch, the keys by every batch under
+        the same pair of keys."""
+        v = np.empty(3, dtype=np.uint64)  # filled item by item: faster than converting a tuple
+        v[0] = remote_addr
+        v[1] = length
+        v[2] = local_addr
+        keys = _KEYS.get((rkey, lkey))
+        if keys is None:
+            keys = _keys(rkey, lkey)
+        return cls(wr_id, _OPCODE_ONE[opcode], v[0:1], keys[0], v[1:2], _SIGNALED_ONE, _ONE_SGE, v[2:3], v[1:2], keys[1])
 
     @classmethod
     def from_requests(cls, wrs: Sequence[WorkRequest]) -> WorkBatch:

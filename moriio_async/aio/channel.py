@@ -16,48 +16,22 @@ import numpy.typing as npt
 
 from ..backends.base import QueuePair
 from ..core.plan import Plan
-from ..core.sendq import LAST_ONLY, SendQueue
+from ..core.sendq import SendQueue
 from ..status import Opcode, StatusCode, WcStatus
-from ..work import WorkBatch, WorkCompletion
+from ..work import WorkBatch, WorkCompletion, cached_key_pairs
 from .transfer import Transfer
 
 __all__ = ["ChannelState", "Job", "QpChannel", "cached_key_pairs"]
 
 
-def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    a.flags.writeable = False
-    return a
-
-
-# Shared by every single-request job: WorkBatch arrays are never written.
-_READ = Opcode.RDMA_READ
-_READ_ONE = _frozen(np.array((int(Opcode.RDMA_READ),), dtype=np.uint8))
-_WRITE_ONE = _frozen(np.array((int(Opcode.RDMA_WRITE),), dtype=np.uint8))
-_NOT_SIGNALED_ONE = _frozen(np.zeros(1, dtype=np.bool_))
-_SGE_START_ONE = _frozen(np.array((0, 1), dtype=np.int64))
-
-
-_KEYS: dict[tuple[int, int], tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]] = {}
-
-
-def _keys(rkey: int, lkey: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
-    """A session's two keys as one-element arrays, made once (a session posts under the same pair)."""
-    if len(_KEYS) >= 1024:
-        _KEYS.clear()
-    both = _frozen(np.array((rkey, lkey), dtype=np.uint32))
-    keys = _KEYS[rkey, lkey] = (both[0:1], both[1:2])
-    return keys
-
-
-def cached_key_pairs() -> int:
-    """How many (rkey, lkey) pairs single-request jobs hold as arrays now (at most 1024; inspection)."""
-    return len(_KEYS)
-
-
 class Job:
-    """One transfer's work requests, ready to post: the plan with absolute addresses and keys, as arrays."""
+    """One transfer's work requests, ready to post: the plan with absolute addresses and keys, as arrays.
 
-    __slots__ = ("_batch", "transfer")
+    A single read or write keeps its one request as plain integers (``one``) and posts them with
+    ``QueuePair.post_one``; it becomes a batch only if it has to wait for room (``chunk``).
+    """
+
+    __slots__ = ("_batch", "one", "transfer")
 
     def __init__(
         self,
@@ -71,9 +45,10 @@ class Job:
         rkey: int,
     ) -> None:
         self.transfer = transfer
+        self.one: tuple[Opcode, int, int, int, int, int] | None = None
         n, m = len(plan), len(plan.sge_offset)
         # wr_id and the signal flags are decided per chunk at posting time; this is the template.
-        self._batch = WorkBatch(
+        self._batch: WorkBatch | None = WorkBatch(
             0,
             np.full(n, int(opcode), dtype=np.uint8),
             plan.remote_offset.astype(np.uint64) + np.uint64(remote_addr),
@@ -90,43 +65,28 @@ class Job:
     def single(
         cls, transfer: Transfer, opcode: Opcode, *, local_addr: int, lkey: int, remote_addr: int, rkey: int, size: int
     ) -> Job:
-        """One request with one scatter entry: a handful of tiny arrays, no planning."""
+        """One request with one scatter entry: six integers, no planning, no arrays."""
         job = cls.__new__(cls)
         job.transfer = transfer
-        v = np.empty(3, dtype=np.uint64)  # filled item by item: faster than converting a tuple
-        v[0] = remote_addr
-        v[1] = size
-        v[2] = local_addr
-        keys = _KEYS.get((rkey, lkey))
-        if keys is None:
-            keys = _keys(rkey, lkey)
-        job._batch = WorkBatch(
-            0,
-            _READ_ONE if opcode is _READ else _WRITE_ONE,
-            v[0:1],
-            keys[0],
-            v[1:2],
-            _NOT_SIGNALED_ONE,
-            _SGE_START_ONE,
-            v[2:3],
-            v[1:2],
-            keys[1],
-        )
+        job._batch = None
+        job.one = (opcode, local_addr, lkey, remote_addr, rkey, size)
         return job
 
     def __len__(self) -> int:
-        return len(self._batch)
+        return 1 if self._batch is None else len(self._batch)
 
     def chunk(self, start: int, stop: int, wr_id: int, signaled: npt.NDArray[np.bool_]) -> WorkBatch:
         """Requests ``start:stop`` as a batch numbered from ``wr_id``."""
         b = self._batch
-        if start == 0 and stop == len(b):
+        if b is None:
+            assert self.one is not None
+            b = WorkBatch.one(wr_id, *self.one)
+        elif start == 0 and stop == len(b):
             # The whole job goes out in one post, which happens once: number the template itself.
             b.wr_id = wr_id
-            b.signaled = signaled
-            return b
-        b = b.slice(start, stop)
-        b.wr_id = wr_id
+        else:
+            b = b.slice(start, stop)
+            b.wr_id = wr_id
         b.signaled = signaled
         return b
 
@@ -146,7 +106,7 @@ class QpChannel:
         qp: QueuePair,
         *,
         on_failed_idle: Callable[[QpChannel], None] = lambda ch: None,
-        on_post: Callable[[], None] = lambda: None,
+        on_post: Callable[[], None] | None = None,
     ) -> None:
         self.qp = qp
         self.sendq: SendQueue[Job] = SendQueue(qp.max_send_wr)
@@ -171,18 +131,24 @@ class QpChannel:
 
     def submit(self, job: Job) -> None:
         """Queue a transfer's requests and post what fits. Never blocks, never fails for lack of room."""
-        n = len(job)
-        job.transfer.start(n)
-        if n == 1:
+        one = job.one
+        if one is not None:
+            job.transfer.start(1)
             # The single read/write on a pair with room and nothing queued: straight to the NIC.
-            wr_id = self.sendq.post_one(job)
+            sendq = self.sendq
+            wr_id = sendq.post_one(job)
             if wr_id is not None:
-                self.qp.post(job.chunk(0, 1, wr_id, LAST_ONLY))
+                self.qp.post_one(wr_id, *one)
                 self.posted += 1
-                if self.sendq.in_flight > self.max_in_flight:
-                    self.max_in_flight = self.sendq.in_flight
-                self._on_post()
+                if sendq.in_flight > self.max_in_flight:
+                    self.max_in_flight = sendq.in_flight
+                if self._on_post is not None:
+                    self._on_post()
                 return
+            n = 1
+        else:
+            n = len(job)
+            job.transfer.start(n)
         self.sendq.enqueue(job, n)
         if self.state == ChannelState.FAILED and not self.sendq.in_flight:
             self._on_failed_idle(self)
@@ -198,7 +164,8 @@ class QpChannel:
             post(c.owner.chunk(c.start, c.stop, c.wr_id, c.signaled))
             self.posted += c.stop - c.start
         self.max_in_flight = max(self.max_in_flight, self.sendq.in_flight)
-        self._on_post()
+        if self._on_post is not None:
+            self._on_post()
 
     def on_completion(self, wc: WorkCompletion) -> None:
         """Account one completion and post what the freed slots allow."""

@@ -1,10 +1,17 @@
 """Draining a completion queue from the event loop, woken by its completion channel.
 
-The order in the wakeup callback is the whole point: consume the channel
-event, re-arm, and only then poll until the queue is empty. A completion that
-lands after the re-arm raises a new event; one that landed before it is
-found by the poll. Polling first and arming last would leave a window where a
-completion arrives, no event is raised, and nothing ever looks again.
+The order before the reader goes idle is the whole point: re-arm, and only
+then poll until the queue is empty. A completion that lands after the re-arm
+raises a new event; one that landed before it is found by the poll. Polling
+last without arming first would leave a window where a completion arrives,
+no event is raised, and nothing ever looks again.
+
+While completions keep coming the reader does not re-arm: a wakeup that found
+completions polls again on the loop's next pass (``call_soon``), and arms,
+then polls once more, only when a poll finds the queue empty. Completions that
+land meanwhile (a single read or write posted by the task the last batch woke)
+are found by that poll, with no channel event: no eventfd write on the NIC's
+side, no ``epoll`` wakeup and event read on this side, per operation.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class CompletionReader:
         self._max_interval = max_interval
         self._interval = min_interval
         self._timer: asyncio.TimerHandle | None = None
+        self._again: asyncio.Handle | None = None
+        """The poll on the loop's next pass while completions keep coming (the queue is not armed then)."""
         self._fd = -1
         self._closed = False
         self._started = False
@@ -88,8 +97,19 @@ class CompletionReader:
     def _on_readable(self) -> None:
         self._wakeups += 1
         self._cq.get_event()
-        self._cq.req_notify()
-        self.drain()
+        if self._again is None:
+            self._poll_again()
+
+    def _poll_again(self) -> None:
+        """Poll; if that found completions, poll again on the next pass, else arm and poll a last time."""
+        self._again = None
+        if self._closed:
+            return
+        if not self.drain():
+            self._cq.req_notify()
+            if not self.drain():
+                return
+        self._again = self._loop.call_soon(self._poll_again)
 
     def drain(self) -> int:
         """Poll until the queue is empty, dispatching each batch; return how many completions."""
@@ -103,6 +123,11 @@ class CompletionReader:
             self._dispatch(wcs)
         self._completions += total
         return total
+
+    @property
+    def polls_by_timer(self) -> bool:
+        """True until started on a channel fd (from then on ``kick`` does nothing)."""
+        return self._fd < 0
 
     def kick(self) -> None:
         """Work was posted: in fallback mode, make sure a poll is coming soon."""
@@ -133,3 +158,6 @@ class CompletionReader:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._again is not None:
+            self._again.cancel()
+            self._again = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 from ..backends.base import CompletionQueue
@@ -64,7 +65,9 @@ class CompletionRouter:
         self._on_ended = self._ended
         self._ids = itertools.count(1)
         self._drains = 0
-        self._closed = False
+        self.closed = False
+        """True once the engine began to close: no new transfer may start (completions still flow).
+        (An attribute, not a property: every transfer reads it.)"""
         self._stopped = False
         self._started = False
         self._readers: list[CompletionReader] = []
@@ -84,11 +87,6 @@ class CompletionRouter:
         reader = CompletionReader(self.loop, cq, dispatch, batch=self._batch, has_work=self._has_work)
         self._readers.append(reader)
 
-    @property
-    def closed(self) -> bool:
-        """True once the engine began to close: no new transfer may start (completions still flow)."""
-        return self._closed
-
     def start(self) -> None:
         """Start watching the completion queues (once)."""
         self._started = True
@@ -97,11 +95,11 @@ class CompletionRouter:
 
     def begin_close(self) -> None:
         """Refuse new transfers from now on; completions still reach the ones in flight until ``close``."""
-        self._closed = True
+        self.closed = True
 
     def close(self) -> None:
         """Dispatch what is already queued, then stop watching. The queue itself belongs to the caller."""
-        self._closed = True
+        self.closed = True
         if not self._stopped:
             for reader in self._readers:
                 reader.drain()
@@ -126,6 +124,11 @@ class CompletionRouter:
         """Work was posted (the readers' timer fallback needs to know)."""
         for reader in self._readers:
             reader.kick()
+
+    def post_hook(self) -> Callable[[], None] | None:
+        """What a channel calls after it posts: ``kick`` while some reader polls on a timer (or has not
+        started), None when every reader is woken by its completion channel (then a post needs nothing)."""
+        return self.kick if any(r.polls_by_timer for r in self._readers) else None
 
     def _dispatch(self, channels: dict[int, QpChannel], wcs: list[WorkCompletion]) -> None:
         # Every completion of the poll is accounted first, then each channel posts once: the slots

@@ -25,6 +25,9 @@ from ..status import Opcode, StatusCode, WcStatus
 
 __all__ = ["Attached", "Drainer", "Transfer", "Watcher"]
 
+_IN_PROGRESS = StatusCode.IN_PROGRESS
+_SUCCESS = WcStatus.SUCCESS
+
 
 class Attached(NamedTuple):
     """What a transfer holds for others right now (``Transfer.attached``)."""
@@ -71,6 +74,7 @@ class Transfer:
         "_message",
         "_on_end",
         "_outcome",
+        "_remaining",
         "_ro",
         "_sz",
         "_watchers",
@@ -109,6 +113,7 @@ class Transfer:
         self._message = ""
         self._error: TransferFailed | None = None
         self._outcome: Outcome | None = None
+        self._remaining = 0
         self._drainer = drainer
         # Every transfer gets one done callback (its router's); lists only when more come. Thousands of
         # transfers in flight are thousands of objects the garbage collector walks on every full pass.
@@ -244,14 +249,28 @@ class Transfer:
 
     def start(self, n_requests: int) -> None:
         """Posted (or queued to post) as ``n_requests`` work requests."""
-        self._outcome = Outcome(n_requests)
-        self._code = StatusCode.IN_PROGRESS
+        self._remaining = n_requests
+        self._outcome = None
+        self._code = _IN_PROGRESS
 
     def settle(self, count: int, status: WcStatus, vendor_err: int = 0, qp_num: int | None = None) -> None:
         """``count`` of its work requests ended with ``status``; the last ones end the transfer."""
+        if self._code is not _IN_PROGRESS:
+            return  # not started, or ended already (latched)
         outcome = self._outcome
-        if outcome is None or self._done:
-            return
+        if outcome is None:
+            # Successes only so far: a count is all there is to fold (an ``Outcome`` once one fails).
+            if status is _SUCCESS:
+                remaining = self._remaining - count
+                if remaining > 0:
+                    self._remaining = remaining
+                elif remaining == 0:
+                    self._remaining = 0
+                    self._finish(StatusCode.SUCCESS, "")
+                else:
+                    raise RuntimeError("more completions than work requests")
+                return
+            outcome = self._outcome = Outcome(self._remaining)
         if outcome.add(count, status, vendor_err, qp_num):
             if outcome.wc_status is WcStatus.SUCCESS:
                 self._finish(StatusCode.SUCCESS, "")

@@ -32,6 +32,9 @@ The semantics every backend keeps (the conformance suite checks them):
   a batch grows with its bytes and its signaled requests, not with Python
   objects per request. Only signaled requests and failures make
   completions, so accounting a batch above is O(signaled), not O(requests).
+  ``post_one`` is the single read or write, one signaled request with one
+  scatter entry, as plain integers: exactly ``post`` of that one-request
+  batch (the default builds it), for a backend to serve without arrays.
 * A fatal condition a backend learns of off the event loop (device event,
   dead connection) is reported through the completion queue as completions,
   never as an exception in some other thread.
@@ -66,7 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import InvalidArgument, MoriioError
-from ..status import Access
+from ..status import Access, Opcode
 from ..work import WorkBatch, WorkCompletion, WorkRequest
 
 __all__ = [
@@ -206,6 +209,13 @@ class QueuePair(abc.ABC):
     @abc.abstractmethod
     def post(self, batch: WorkBatch) -> None:
         """Post a batch in order; all or none (``SendQueueFull``, ``InvalidArgument``). Never blocks."""
+
+    def post_one(
+        self, wr_id: int, opcode: Opcode, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int
+    ) -> None:
+        """Post one signaled request of ``length`` bytes between ``local_addr`` (one scatter entry) and
+        ``remote_addr``: the same as ``post`` of ``WorkBatch.one`` of these values, which the default does."""
+        self.post(WorkBatch.one(wr_id, opcode, local_addr, lkey, remote_addr, rkey, length))
 
     def post_send(self, wrs: Sequence[WorkRequest]) -> None:
         """Post ``WorkRequest`` values (consecutive wr_ids): ``post`` of the packed batch."""

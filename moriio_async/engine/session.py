@@ -69,7 +69,7 @@ class Session:
         self._abort_timeout = abort_timeout
         self._local = local
         self.remote = remote
-        self.channel = QpChannel(qp, on_failed_idle=self._on_failed_idle, on_post=router.kick)
+        self.channel = QpChannel(qp, on_failed_idle=self._on_failed_idle, on_post=router.post_hook())
         transport = peers.transport_of(qp)
         self.transport = transport.name
         """The backend this session's pair runs on ("cma", "verbs", "tcp", "mock"): for its whole life."""
@@ -170,9 +170,11 @@ class Session:
 
     def _submit_one(self, opcode: Opcode, lo: int, ro: int, sz: int, uid: int | None) -> Transfer:
         """The single read/write: scalar checks and a one-request job, no arrays to plan."""
-        self._check_usable(opcode)
+        local = self._local
+        if self.closed or not local.live or self._denied[opcode] or self._router.closed:
+            self._check_usable(opcode)  # raises what is wrong, in its order
         remote = self.remote
-        lo, ro, sz = check_block(lo, ro, sz, self._local.desc.length, remote.length)
+        lo, ro, sz = check_block(lo, ro, sz, local.desc.length, remote.length)
         if sz > self._max_wr_bytes:
             return self._submit(opcode, [lo], [ro], [sz], uid)
         if uid is not None:
@@ -183,7 +185,14 @@ class Session:
             transfer, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro, rkey=self._rkey,
             size=sz,
         )  # fmt: skip
-        return self._post(transfer, job)
+        if self.stale:
+            return self._post(transfer, job)
+        # ``_post`` without what was just checked: the region is live (so ``pin`` would not refuse)
+        # and the session is not stale.
+        local.pins += 1
+        self._router.track(transfer, local)
+        self.channel.submit(job)
+        return transfer
 
     def _submit(
         self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int], uid: int | None

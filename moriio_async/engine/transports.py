@@ -30,6 +30,7 @@ from ..backends import open_backend
 from ..backends.base import Backend, BackendOptions, CompletionQueue, Endpoint, QueuePair
 from ..descriptors import EngineDesc, TransportDesc
 from ..errors import BackendUnavailable
+from ..status import Opcode
 from ..work import WorkBatch
 from .config import IOEngineConfig
 
@@ -109,6 +110,11 @@ class TaggedQp(QueuePair):
 
     def post(self, batch: WorkBatch) -> None:
         self.inner.post(batch)
+
+    def post_one(
+        self, wr_id: int, opcode: Opcode, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int
+    ) -> None:
+        self.inner.post_one(wr_id, opcode, local_addr, lkey, remote_addr, rkey, length)
 
     def to_error(self) -> None:
         self.inner.to_error()

@@ -14,6 +14,7 @@ import pytest
 from moriio_async.aio.channel import ChannelState, Job, QpChannel, cached_key_pairs
 from moriio_async.aio.transfer import Transfer
 from moriio_async.core.plan import Plan
+from moriio_async.backends.base import QueuePair
 from moriio_async.status import Opcode, StatusCode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkCompletion, WorkRequest
 
@@ -28,6 +29,8 @@ class FakeQP:
 
     def post(self, batch: WorkBatch) -> None:
         self.posts.append(batch.requests())
+
+    post_one = QueuePair.post_one  # the contract's default: post of the one-request batch
 
     def to_error(self) -> None:
         self.errors += 1

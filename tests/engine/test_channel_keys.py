@@ -13,6 +13,7 @@ import pytest
 
 from moriio_async.aio.channel import ChannelState, Job, QpChannel
 from moriio_async.aio.transfer import Transfer
+from moriio_async.backends.base import QueuePair
 from moriio_async.status import Opcode
 from moriio_async.work import WorkBatch
 
@@ -24,6 +25,8 @@ class FakeQP:
 
     def post(self, batch: WorkBatch) -> None:
         pass
+
+    post_one = QueuePair.post_one  # the contract's default: post of the one-request batch
 
     def to_error(self) -> None:
         pass

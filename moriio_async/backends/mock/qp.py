@@ -38,6 +38,8 @@ _ALL, _MAX, _MIN, _SUB = np.logical_and.reduce, np.maximum.reduce, np.minimum.re
 _NEED_READ_LOCAL, _NEED_WRITE_LOCAL = int(Access.LOCAL_WRITE), 0
 _NEED_READ_REMOTE, _NEED_WRITE_REMOTE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
 _FLUSH = WcStatus.WR_FLUSH_ERR
+_OP_READ, _OP_WRITE = Opcode.RDMA_READ, Opcode.RDMA_WRITE
+_RTS = QpState.RTS
 
 Completions = list[tuple[WorkCompletion, int]]
 
@@ -141,46 +143,47 @@ class MockQueuePair(QueuePair):
         if used + n > self.max_send_wr:
             raise SendQueueFull(f"{n} requests, {self.max_send_wr - used} free slots of {self.max_send_wr}")
         self._posted += n
-        one = n == 1 and most == 1 and not self._held and self._state == QpState.RTS and not self.hold
-        if one and self._post_one(batch, op == _READ):
-            return
         self._held.append(batch)
         self._held_n += n
         if not self.hold or self._state == QpState.ERR:
             self.step(self._held_n)
 
-    def _post_one(self, batch: WorkBatch, read: bool) -> bool:
-        """The single read/write that succeeds: checked, copied and completed in a few dozen bytecodes.
-        False, having done nothing, when anything is unusual (then ``step`` runs it the long way and
-        reports the failure)."""
+    def post_one(
+        self, wr_id: int, opcode: Opcode, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int
+    ) -> None:
+        """The single read/write that succeeds: checked, copied and completed on plain integers. Anything
+        unusual (a state ``post`` refuses, held requests, a fault to inject, a failing check) goes to
+        ``post`` of the same request as a batch, which refuses it or runs and reports it the long way."""
         peer = self._peer
-        if peer is None or peer.closed or self._fail_next is not None:
-            return False
-        addr, length, raddr = batch.sge_addr.item(0), batch.sge_length.item(0), batch.remote_addr.item(0)
-        if batch.length.item(0) != length:
-            return False
-        if read:
-            mine = self.memory.lookup(batch.sge_lkey.item(0), addr, length, _NEED_READ_LOCAL)
-            theirs = peer.memory.lookup(batch.rkey.item(0), raddr, length, _NEED_READ_REMOTE)
-        else:
-            mine = self.memory.lookup(batch.sge_lkey.item(0), addr, length, _NEED_WRITE_LOCAL)
-            theirs = peer.memory.lookup(batch.rkey.item(0), raddr, length, _NEED_WRITE_REMOTE)
-        if mine is None or theirs is None:
-            return False
-        here, there = addr - mine.addr, raddr - theirs.addr
-        # memoryview slices: the same bytes as the regions' arrays, at a fraction of numpy's per-call cost.
-        if read:
-            mine.view[here : here + length] = theirs.view[there : there + length]
-        else:
-            theirs.view[there : there + length] = mine.view[here : here + length]
-        if batch.signaled.item(0):
-            op = Opcode.RDMA_READ if read else Opcode.RDMA_WRITE
-            wc = WorkCompletion(batch.wr_id, _SUCCESS, op, length, self.qp_num)
-            slots, self._uncovered = self._uncovered + 1, 0
-            self._cq.push(wc, self, slots)
-        else:
-            self._uncovered += 1
-        return True
+        if (
+            self._state is _RTS
+            and not self.hold
+            and not self._held
+            and self._fail_next is None
+            and peer is not None
+            and not peer._closed
+            and self._posted - self._released < self.max_send_wr
+        ):
+            if opcode is _OP_READ:
+                mine = self.memory.lookup(lkey, local_addr, length, _NEED_READ_LOCAL)
+                theirs = peer.memory.lookup(rkey, remote_addr, length, _NEED_READ_REMOTE)
+            elif opcode is _OP_WRITE:
+                mine = self.memory.lookup(lkey, local_addr, length, _NEED_WRITE_LOCAL)
+                theirs = peer.memory.lookup(rkey, remote_addr, length, _NEED_WRITE_REMOTE)
+            else:
+                mine = theirs = None
+            if mine is not None and theirs is not None:
+                self._posted += 1
+                here, there = local_addr - mine.addr, remote_addr - theirs.addr
+                # memoryview slices: the same bytes as the regions' arrays, at a fraction of numpy's per-call cost.
+                if opcode is _OP_READ:
+                    mine.view[here : here + length] = theirs.view[there : there + length]
+                else:
+                    theirs.view[there : there + length] = mine.view[here : here + length]
+                slots, self._uncovered = self._uncovered + 1, 0
+                self._cq.push(WorkCompletion(wr_id, _SUCCESS, opcode, length, self.qp_num), self, slots)
+                return
+        self.post(WorkBatch.one(wr_id, opcode, local_addr, lkey, remote_addr, rkey, length))
 
     def to_error(self) -> None:
         self._state = QpState.ERR
