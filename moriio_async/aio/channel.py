@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..backends.base import QueuePair
-from ..core.plan import Plan
+from ..core.plan import FewPlan, Plan
 from ..core.sendq import SendQueue
 from ..status import Opcode, StatusCode, WcStatus
 from ..work import WorkBatch, WorkCompletion, cached_key_pairs
@@ -36,19 +36,27 @@ class Job:
     def __init__(
         self,
         transfer: Transfer,
-        plan: Plan,
+        plan: Plan | None,
         opcode: Opcode,
         *,
         local_addr: int,
         lkey: int,
         remote_addr: int,
         rkey: int,
+        size: int = 0,
     ) -> None:
+        """The job of ``plan``; with no plan, the single request of ``size`` bytes (``single``)."""
         self.transfer = transfer
-        self.one: tuple[Opcode, int, int, int, int, int] | None = None
+        if plan is None:
+            self._batch: WorkBatch | None = None
+            self.one: tuple[Opcode, int, int, int, int, int] | None = (
+                opcode, local_addr, lkey, remote_addr, rkey, size
+            )  # fmt: skip
+            return
+        self.one = None
         n, m = len(plan), len(plan.sge_offset)
         # wr_id and the signal flags are decided per chunk at posting time; this is the template.
-        self._batch: WorkBatch | None = WorkBatch(
+        self._batch = WorkBatch(
             0,
             np.full(n, int(opcode), dtype=np.uint8),
             plan.remote_offset.astype(np.uint64) + np.uint64(remote_addr),
@@ -66,10 +74,31 @@ class Job:
         cls, transfer: Transfer, opcode: Opcode, *, local_addr: int, lkey: int, remote_addr: int, rkey: int, size: int
     ) -> Job:
         """One request with one scatter entry: six integers, no planning, no arrays."""
+        return cls(transfer, None, opcode, local_addr=local_addr, lkey=lkey, remote_addr=remote_addr, rkey=rkey,
+                   size=size)  # fmt: skip
+
+    @classmethod
+    def few(
+        cls, transfer: Transfer, plan: FewPlan, opcode: Opcode, *, local_addr: int, lkey: int, remote_addr: int,
+        rkey: int,
+    ) -> Job:  # fmt: skip
+        """The job of a few blocks planned on ints (``plan_few``): ``single`` if they make one request of
+        one entry, else the batch built from the ints (three small arrays and shared constants)."""
+        w_remote, w_len, w_start, s_off, s_len = plan
+        n, m = len(w_remote), len(s_off)
+        if m == 1:
+            return cls.single(transfer, opcode, local_addr=local_addr + s_off[0], lkey=lkey,
+                              remote_addr=remote_addr + w_remote[0], rkey=rkey, size=w_len[0])  # fmt: skip
         job = cls.__new__(cls)
         job.transfer = transfer
-        job._batch = None
-        job.one = (opcode, local_addr, lkey, remote_addr, rkey, size)
+        job.one = None
+        u64 = np.array([remote_addr + r for r in w_remote] + w_len + [local_addr + o for o in s_off] + s_len, np.uint64)
+        keys = np.array([rkey] * n + [lkey] * m, dtype=np.uint32)
+        e = 2 * n + m
+        job._batch = WorkBatch(
+            0, _opcodes(opcode, n), u64[:n], keys[:n], u64[n : 2 * n], _unsignaled(n), np.array(w_start, np.int64),
+            u64[2 * n : e], u64[e:], keys[n:],
+        )  # fmt: skip
         return job
 
     def __len__(self) -> int:
@@ -89,6 +118,27 @@ class Job:
             b.wr_id = wr_id
         b.signaled = signaled
         return b
+
+
+_CONSTANT: dict[tuple[int, int], npt.NDArray[np.generic]] = {}
+
+
+def _opcodes(opcode: Opcode, n: int) -> npt.NDArray[np.uint8]:
+    """``n`` copies of ``opcode``, one read-only array per (opcode, n) (batches never write theirs)."""
+    got = _CONSTANT.get((int(opcode), n))
+    if got is None:
+        got = _CONSTANT[int(opcode), n] = np.full(n, int(opcode), dtype=np.uint8)
+        got.flags.writeable = False
+    return got  # type: ignore[return-value]
+
+
+def _unsignaled(n: int) -> npt.NDArray[np.bool_]:
+    """A template's signal flags (``chunk`` replaces them when it posts), shared and read-only."""
+    got = _CONSTANT.get((-1, n))
+    if got is None:
+        got = _CONSTANT[-1, n] = np.zeros(n, dtype=np.bool_)
+        got.flags.writeable = False
+    return got  # type: ignore[return-value]
 
 
 class ChannelState:
@@ -250,7 +300,7 @@ class QpChannel:
             await fut
 
     def _wake_idle(self) -> None:
-        if self.sendq.idle and self._idle_waiters:
+        if self._idle_waiters and self.sendq.idle:
             waiters, self._idle_waiters = self._idle_waiters, []
             for fut in waiters:
                 if not fut.done():

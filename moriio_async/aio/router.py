@@ -19,10 +19,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from ..backends.base import CompletionQueue
+from ..status import Opcode
 from ..work import WorkCompletion
 from .channel import QpChannel
 from .cq_reader import CompletionReader, ReaderStatistics
@@ -157,6 +161,23 @@ class CompletionRouter:
 
     def next_transfer_id(self) -> int:
         return next(self._ids)
+
+    def open(
+        self,
+        opcode: Opcode,
+        peer: str,
+        lo: Sequence[int] | npt.NDArray[np.int64],
+        ro: Sequence[int] | npt.NDArray[np.int64],
+        sz: Sequence[int] | npt.NDArray[np.int64],
+        pinned: Pinned,
+        uid: int | None,
+    ) -> Transfer:
+        """A new transfer with the next id, draining through this router, already tracked (``track``)."""
+        transfer = Transfer(
+            self.loop, next(self._ids), opcode, peer, lo, ro, sz, drainer=self, uid=uid, on_end=self._on_ended
+        )
+        self._outstanding[transfer] = pinned
+        return transfer
 
     def track(self, transfer: Transfer, pinned: Pinned) -> None:
         """Count ``transfer`` as outstanding until it ends; then release ``pinned``."""

@@ -96,6 +96,7 @@ class Transfer:
         *,
         drainer: Drainer | None = None,
         uid: int | None = None,
+        on_end: Callable[[Transfer], None] | None = None,
     ) -> None:
         self.id = transfer_id
         self.uid = uid
@@ -117,7 +118,8 @@ class Transfer:
         self._drainer = drainer
         # Every transfer gets one done callback (its router's); lists only when more come. Thousands of
         # transfers in flight are thousands of objects the garbage collector walks on every full pass.
-        self._first: Callable[[Transfer], None] | None = None
+        self._first = on_end
+        """The first done callback (``add_done_callback``'s, or the one given here)."""
         self._on_end: list[Callable[[Transfer], None]] | None = None
         self._watchers: list[Watcher] | None = None
 

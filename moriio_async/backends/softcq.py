@@ -60,7 +60,8 @@ class SoftCompletionQueue(CompletionQueue):
         """Add one completion that, once polled, frees ``slots`` slots of ``owner``."""
         with self._lock:
             self._entries.append((wc, owner, slots))
-            self._wake_locked()
+            if self._armed:
+                self._wake_locked()
 
     def push_many(self, completions: Iterable[tuple[WorkCompletion, int]], owner: SlotOwner) -> None:
         """Add completions, each with the slots it frees, under one lock acquisition (one wakeup)."""

@@ -14,6 +14,11 @@ vectorised passes, not Python work per block. The one case that is not
 vectorised is a remote-contiguous run longer than ``max_wr_bytes``, which
 must be cut at byte positions: it runs a greedy loop over the run's merged
 pieces (few, since such runs are made of large contiguous pieces).
+
+A batch of a few blocks (at most ``SMALL``) of plain ints is checked and
+planned on the ints instead (``check_few``, ``plan_few``): there numpy's cost
+per call is most of the work. Same rules, same requests, same errors; the
+same greedy walk does the planning.
 """
 
 from __future__ import annotations
@@ -28,18 +33,29 @@ import numpy.typing as npt
 from ..errors import InvalidArgument
 
 __all__ = [
+    "SMALL",
+    "FewPlan",
     "Plan",
     "Segment",
     "check_arrays",
     "check_block",
     "check_blocks",
+    "check_few",
     "merge_contiguous_blocks",
     "plan",
+    "plan_few",
     "plan_segments",
 ]
 
 I64 = npt.NDArray[np.int64]
 _INT64_MAX = (1 << 63) - 1
+_INT64_MIN = -(1 << 63)
+
+SMALL = 8
+"""Batches of up to this many blocks are checked and planned on plain ints (``check_few``, ``plan_few``)."""
+
+FewPlan = tuple[list[int], list[int], list[int], list[int], list[int]]
+"""``Plan``'s five columns as int lists: remote offset and length per request, scatter start, offset, length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +166,37 @@ def _raise_for_block(i: int, l_off: int, r_off: int, size: int, local_length: in
     raise InvalidArgument(
         f"block {i}: remote range [{r_off}, {r_off + size}) exceeds the remote region ({remote_length} bytes)"
     )
+
+
+def check_few(
+    local_offsets: object, remote_offsets: object, sizes: object, local_length: int, remote_length: int
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``check_arrays`` for a batch of 1 to ``SMALL`` blocks given as lists or tuples of ints (or 1-D
+    signed integer arrays), returning fresh int lists: the same values, the same errors. None, having
+    checked nothing, for any other batch (``check_arrays`` then checks it, and words what is wrong)."""
+    lo, ro, sz = _few_ints(local_offsets), _few_ints(remote_offsets), _few_ints(sizes)
+    if lo is None or ro is None or sz is None or not 0 < len(lo) == len(ro) == len(sz):
+        return None
+    for i, (l_off, r_off, size) in enumerate(zip(lo, ro, sz, strict=True)):
+        # check_arrays's test, on ints that fit int64 as it reads them: the first bad block is the same.
+        if size <= 0 or l_off < 0 or r_off < 0 or l_off > local_length - size or r_off > remote_length - size:
+            _raise_for_block(i, l_off, r_off, size, local_length, remote_length)
+    return lo, ro, sz
+
+
+def _few_ints(values: object) -> list[int] | None:
+    """A new list of ``values`` if they are 1 to ``SMALL`` ints that int64 holds, else None."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind != "i" or len(values) > SMALL:
+            return None
+        return values.tolist()  # type: ignore[no-any-return]
+    if (type(values) is not list and type(values) is not tuple) or len(values) > SMALL:
+        return None
+    for v in values:
+        # Exactly int (not bool, not a numpy integer) and within int64, as numpy would read the list.
+        if type(v) is not int or not _INT64_MIN <= v <= _INT64_MAX:
+            return None
+    return list(values)
 
 
 def check_block(
@@ -265,8 +312,27 @@ def _sums(values: I64, starts: npt.NDArray[np.intp]) -> I64:
     return out
 
 
+def plan_few(lo: list[int], ro: list[int], sz: list[int], *, max_sge: int, max_wr_bytes: int) -> FewPlan:
+    """``plan`` of a few checked blocks (``check_few``), on ints: the same requests, as int lists."""
+    if max_sge < 1 or max_wr_bytes < 1:
+        raise InvalidArgument("max_sge and max_wr_bytes must be positive")
+    if len(sz) > 1:
+        # In remote order, then local (np.lexsort((lo, ro)) is stable too: ties keep their order).
+        order = sorted(range(len(sz)), key=lambda i: (ro[i], lo[i]))
+        lo, ro, sz = [lo[i] for i in order], [ro[i] for i in order], [sz[i] for i in order]
+    return _walk(lo, ro, sz, max_sge, max_wr_bytes)
+
+
 def _plan_greedy(p_local: list[int], p_remote: list[int], p_len: list[int], max_sge: int, max_wr_bytes: int) -> Plan:
     """The byte-cutting case: walk the merged pieces, cutting requests at ``max_wr_bytes``."""
+    return Plan(*(np.asarray(v, dtype=np.int64) for v in _walk(p_local, p_remote, p_len, max_sge, max_wr_bytes)))
+
+
+def _walk(p_local: list[int], p_remote: list[int], p_len: list[int], max_sge: int, max_wr_bytes: int) -> FewPlan:
+    """Blocks in remote order into requests: a block continuing the open request's remote range joins
+    it (extending its last piece when local-contiguous too, else as a new scatter entry while fewer
+    than ``max_sge``), cut at ``max_wr_bytes``. Without a cut this is exactly what ``plan``'s array
+    passes build; with one, it is how ``plan`` cuts."""
     w_remote: list[int] = []
     w_len: list[int] = []
     w_start: list[int] = []
@@ -300,7 +366,7 @@ def _plan_greedy(p_local: list[int], p_remote: list[int], p_len: list[int], max_
     if open_request:
         w_len.append(cur_len)
     w_start.append(len(s_off))
-    return Plan(*(np.asarray(v, dtype=np.int64) for v in (w_remote, w_len, w_start, s_off, s_len)))
+    return w_remote, w_len, w_start, s_off, s_len
 
 
 def plan_segments(

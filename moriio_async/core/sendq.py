@@ -41,6 +41,21 @@ LAST_ONLY = np.ones(1, dtype=np.bool_)
 LAST_ONLY.flags.writeable = False
 
 
+_SHORT = 16
+_LAST_ONLY: dict[int, npt.NDArray[np.bool_]] = {1: LAST_ONLY}
+
+
+def _last_only(n: int) -> npt.NDArray[np.bool_]:
+    """Signal flags of ``n`` requests with only the last one signaled (shared, read-only)."""
+    got = _LAST_ONLY.get(n)
+    if got is None:
+        got = np.zeros(n, dtype=np.bool_)
+        got[-1] = True
+        got.flags.writeable = False
+        _LAST_ONLY[n] = got
+    return got
+
+
 @dataclass(slots=True)  # not frozen: a frozen field costs an object.__setattr__, on every post
 class Chunk(Generic[T]):
     """Requests ``start:stop`` of ``owner`` to post now as wr_ids ``wr_id...``, with their signal flags."""
@@ -133,6 +148,10 @@ class SendQueue(Generic[T]):
             run = self._unsignaled_run
             if take == 1 and last:
                 signaled = LAST_ONLY
+                self._unsignaled_run = 0
+            elif last and take <= _SHORT and (run + take) // every == run // every:
+                # A short owner's last requests, no multiple of ``every`` among them: only the last is signaled.
+                signaled = _last_only(take)
                 self._unsignaled_run = 0
             else:
                 signaled = (np.arange(run + 1, run + take + 1) % every) == 0

@@ -25,7 +25,7 @@ from ..aio.channel import ChannelState, Job, QpChannel
 from ..aio.router import CompletionRouter
 from ..aio.transfer import Transfer
 from ..backends.base import QueuePair
-from ..core.plan import check_arrays, check_block, plan
+from ..core.plan import check_arrays, check_block, check_few, plan, plan_few
 from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
@@ -69,6 +69,7 @@ class Session:
         self._abort_timeout = abort_timeout
         self._local = local
         self.remote = remote
+        self._peer_key = remote.engine_key
         self.channel = QpChannel(qp, on_failed_idle=self._on_failed_idle, on_post=router.post_hook())
         transport = peers.transport_of(qp)
         self.transport = transport.name
@@ -181,24 +182,28 @@ class Session:
             uid = self._uids.claim(uid)  # the last check: a refused uid posts nothing
         transfer = self._new_transfer(opcode, (lo,), (ro,), (sz,), uid)
         mr = self._mr
-        job = Job.single(
-            transfer, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro, rkey=self._rkey,
-            size=sz,
+        job = Job(
+            transfer, None, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro,
+            rkey=self._rkey, size=sz,
         )  # fmt: skip
-        if self.stale:
-            return self._post(transfer, job)
-        # ``_post`` without what was just checked: the region is live (so ``pin`` would not refuse)
-        # and the session is not stale.
-        local.pins += 1
-        self._router.track(transfer, local)
-        self.channel.submit(job)
-        return transfer
+        return self._post(transfer, job)
 
     def _submit(
         self, opcode: Opcode, lo: Sequence[int], ro: Sequence[int], sz: Sequence[int], uid: int | None
     ) -> Transfer:
         self._check_usable(opcode)
         remote = self.remote
+        mr = self._mr
+        few = check_few(lo, ro, sz, self._local.desc.length, remote.length)
+        if few is not None:
+            # A few blocks of plain ints: checked and planned on the ints (the lists are this call's own).
+            few_plan = plan_few(*few, max_sge=self.channel.qp.max_sge, max_wr_bytes=self._max_wr_bytes)
+            if uid is not None:
+                uid = self._uids.claim(uid)
+            transfer = self._new_transfer(opcode, *few, uid)
+            job = Job.few(transfer, few_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr,
+                          rkey=self._rkey)  # fmt: skip
+            return self._post(transfer, job)
         lo_a, ro_a, sz_a = check_arrays(lo, ro, sz, self._local.desc.length, remote.length)
         qp = self.channel.qp
         the_plan = plan(lo_a, ro_a, sz_a, max_sge=qp.max_sge, max_wr_bytes=self._max_wr_bytes)
@@ -208,7 +213,6 @@ class Session:
         # the transfer's record is copied, so a caller refilling its arrays for the next batch
         # does not rewrite what this one reports.
         transfer = self._new_transfer(opcode, _owned(lo_a, lo), _owned(ro_a, ro), _owned(sz_a, sz), uid)
-        mr = self._mr
         job = Job(
             transfer, the_plan, opcode, local_addr=mr.addr, lkey=mr.lkey, remote_addr=remote.addr, rkey=self._rkey
         )
@@ -222,10 +226,10 @@ class Session:
         sz: Sequence[int] | npt.NDArray[np.int64],
         uid: int | None,
     ) -> Transfer:
-        router = self._router
-        transfer = Transfer(
-            router.loop, router.next_transfer_id(), opcode, self.peer, lo, ro, sz, drainer=router, uid=uid
-        )
+        # Pinned without ``pin``'s check: every caller checked the region live (``_check_usable``) just now.
+        local = self._local
+        local.pins += 1
+        transfer = self._router.open(opcode, self._peer_key, lo, ro, sz, local, uid)
         if uid is not None:
             transfer.add_done_callback(self._announce)
         return transfer
@@ -238,8 +242,6 @@ class Session:
         self._peers.post_done(remote.engine_key, remote.incarnation, transfer.uid, transfer.code)
 
     def _post(self, transfer: Transfer, job: Job) -> Transfer:
-        self._local.pin()
-        self._router.track(transfer, self._local)
         if self.stale:
             transfer.start(len(job))
             transfer.fail(StatusCode.ERR_BAD_STATE, self._stale_message(), hint=_STALE_HINT)

@@ -4,7 +4,8 @@ A chunk of one opcode runs here, handed the initiator's and the target's
 ``MemoryTable``: the usual shape (one scatter entry per request, one key per
 side, one block length) in a dozen array operations, anything else the long
 way, which finds the first failing request and copies only the requests
-before it. The queue pair (``qp.py``) owns order, slots and completions.
+before it. A short batch (``FEW`` requests or fewer, any opcodes) runs
+request by request on integers instead. The queue pair (``qp.py``) owns order, slots and completions.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch
 from .memory import VECTOR_MAX, MemoryTable, copy, copy_equal, independent
 
-__all__ = ["execute", "execute_one", "execute_uniform"]
+__all__ = ["FEW", "execute", "execute_few", "execute_uniform"]
 
 _READ = int(Opcode.RDMA_READ)
+FEW = 8
+"""Batches of up to this many requests run one request at a time on integers (``execute_few``):
+below that, the vectorised checks cost more than they save."""
 # ufunc reductions called directly: ndarray.all()/max()/min() go through Python wrappers that cost
 # more than the work on a chunk's few hundred entries.
 _ALL, _MAX, _MIN, _SUB = np.logical_and.reduce, np.maximum.reduce, np.minimum.reduce, np.subtract
@@ -117,31 +121,32 @@ def execute_uniform(local_table: MemoryTable, batch: WorkBatch, lo: int, hi: int
     return True
 
 
-def execute_one(local_table: MemoryTable, batch: WorkBatch, remote: MemoryTable) -> WcStatus | None:
-    """Check and copy the batch's only request; its failure status, or None."""
-    read = batch.opcode.item(0) == _READ
-    a, b = batch.sge_start.item(0), batch.sge_start.item(1)
-    addrs, lengths, lkeys = (
-        batch.sge_addr.tolist()[a:b],
-        batch.sge_length.tolist()[a:b],
-        batch.sge_lkey.tolist()[a:b],
-    )
-    need = _NEED_READ_LOCAL if read else _NEED_WRITE_LOCAL
-    local = [local_table.lookup(k, x, n, need) for k, x, n in zip(lkeys, addrs, lengths, strict=True)]
-    if None in local:
-        return WcStatus.LOC_PROT_ERR
-    raddr = batch.remote_addr.item(0)
-    far = remote.lookup(batch.rkey.item(0), raddr, batch.length.item(0),
-                        _NEED_READ_REMOTE if read else _NEED_WRITE_REMOTE)  # fmt: skip
-    if far is None:
-        return WcStatus.REM_ACCESS_ERR
-    pos = raddr - far.addr
-    for region, addr, n in zip(local, addrs, lengths, strict=True):
-        assert region is not None
-        off = addr - region.addr
-        if read:
-            region.array[off : off + n] = far.array[pos : pos + n]
-        else:
-            far.array[pos : pos + n] = region.array[off : off + n]
-        pos += n
-    return None
+def execute_few(local_table: MemoryTable, batch: WorkBatch, remote: MemoryTable) -> tuple[int, WcStatus | None]:
+    """Check and copy the requests of a short batch (any opcodes) one by one, on plain integers, up to
+    the first that fails; return how many ran and the failure's status (None: all ran)."""
+    ops, starts = batch.opcode.tolist(), batch.sge_start.tolist()
+    addrs, lengths, lkeys = batch.sge_addr.tolist(), batch.sge_length.tolist(), batch.sge_lkey.tolist()
+    raddrs, rkeys, totals = batch.remote_addr.tolist(), batch.rkey.tolist(), batch.length.tolist()
+    lookup, far_lookup = local_table.lookup, remote.lookup
+    for i, op in enumerate(ops):
+        read = op == _READ
+        a, b = starts[i], starts[i + 1]
+        need = _NEED_READ_LOCAL if read else _NEED_WRITE_LOCAL
+        local = [lookup(lkeys[j], addrs[j], lengths[j], need) for j in range(a, b)]
+        if None in local:
+            return i, WcStatus.LOC_PROT_ERR
+        raddr = raddrs[i]
+        far = far_lookup(rkeys[i], raddr, totals[i], _NEED_READ_REMOTE if read else _NEED_WRITE_REMOTE)
+        if far is None:
+            return i, WcStatus.REM_ACCESS_ERR
+        pos = raddr - far.addr
+        for region, j in zip(local, range(a, b), strict=True):
+            assert region is not None
+            n = lengths[j]
+            off = addrs[j] - region.addr
+            if read:
+                region.view[off : off + n] = far.view[pos : pos + n]
+            else:
+                far.view[pos : pos + n] = region.view[off : off + n]
+            pos += n
+    return len(ops), None

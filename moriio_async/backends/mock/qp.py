@@ -22,7 +22,7 @@ from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from ..softcq import SoftCompletionQueue
-from .execute import execute, execute_one
+from .execute import FEW, execute, execute_few
 from .fabric import MockFabric
 from .memory import MemoryTable
 
@@ -125,11 +125,12 @@ class MockQueuePair(QueuePair):
         if not n:
             return
         ops = batch.opcode
-        if n == 1:
-            op = ops.item(0)
-            if op != _WRITE and op != _READ:
-                raise InvalidArgument(f"unsupported opcode {op}")
-            most = batch.sge_start.item(1) - batch.sge_start.item(0)
+        if n <= FEW:
+            for op in ops.tolist():
+                if op != _WRITE and op != _READ:
+                    raise InvalidArgument(f"unsupported opcode {op}")
+            starts = batch.sge_start.tolist()
+            most = max(b - a for a, b in itertools.pairwise(starts))
         else:
             low, high = int(_MIN(ops)), int(_MAX(ops))
             if not (low == high and low in (_WRITE, _READ)) and not bool(_ALL((ops == _WRITE) | (ops == _READ))):
@@ -252,12 +253,11 @@ class MockQueuePair(QueuePair):
             self._fail(batch, 0, chosen, out)
             return
         n = len(batch)
-        if n == 1:  # one request (the runtime's single read/write): plain integers, no array work
-            status = execute_one(self.memory, batch, peer.memory)
-            if status is None:
-                self._complete_ok(batch, 0, 1, out)
-            else:
-                self._fail(batch, 0, status, out)
+        if n <= FEW:  # a few requests: plain integers, no array work
+            done, status = execute_few(self.memory, batch, peer.memory)
+            self._complete_ok(batch, 0, done, out)
+            if status is not None:
+                self._fail(batch, done, status, out)
             return
         ops = batch.opcode
         if ops.item(0) == ops.item(n - 1) and int(_MIN(ops)) == int(_MAX(ops)):
@@ -275,23 +275,17 @@ class MockQueuePair(QueuePair):
         """Requests ``lo:hi`` succeeded: a completion for each signaled one, covering those before it."""
         if hi <= lo:
             return
-        if hi == lo + 1:
-            if batch.signaled.item(lo):
-                op = _OPCODES[batch.opcode.item(lo)]
-                wc = WorkCompletion(batch.wr_id + lo, _SUCCESS, op, batch.length.item(lo), self.qp_num)
-                out.append((wc, self._uncovered + 1))
-                self._uncovered = 0
-            else:
-                self._uncovered += 1
-            return
-        signaled = np.flatnonzero(batch.signaled[lo:hi])
-        if not len(signaled):
+        if hi - lo <= FEW:
+            signaled = [i for i, flag in enumerate(batch.signaled[lo:hi].tolist(), start=lo) if flag]
+        else:
+            signaled = (np.flatnonzero(batch.signaled[lo:hi]) + lo).tolist()
+        if not signaled:
             self._uncovered += hi - lo
             return
         prev = lo - 1 - self._uncovered
         ops, lengths, first, qp_num = batch.opcode, batch.length, batch.wr_id, self.qp_num
-        for i in (signaled + lo).tolist():
-            wc = WorkCompletion(first + i, _SUCCESS, _OPCODES[int(ops[i])], int(lengths[i]), qp_num)
+        for i in signaled:
+            wc = WorkCompletion(first + i, _SUCCESS, _OPCODES[ops.item(i)], lengths.item(i), qp_num)
             out.append((wc, i - prev))
             prev = i
         self._uncovered = hi - 1 - prev
