@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -282,3 +283,25 @@ def test_a_completion_naming_the_first_request_of_a_span_ends_the_span_before_it
     q.take_postable()  # a: 10, 11; b: 12, 13
     assert q.complete(12, WcStatus.REM_ACCESS_ERR) == [("a", 2, WcStatus.SUCCESS), ("b", 1, WcStatus.REM_ACCESS_ERR)]
     assert q.in_flight == 1
+
+
+
+@pytest.mark.parametrize("depth", [4, 16, 64])
+def test_short_owners_get_the_flags_the_rule_gives(depth: int) -> None:
+    """Owners of 1-20 requests (the short ones take shared last-only flags): one signaled request in
+    every ``depth // 4`` since the last signaled one, and every owner's last, as for long owners."""
+    q: SendQueue[int] = SendQueue(depth)
+    counts = [3, 1, 5, 2, 20, 7, 1, 16, 4, 9]
+    every, run = max(1, depth // 4), 0
+    for owner, count in enumerate(counts):
+        q.enqueue(owner, count)
+        while q.waiting:
+            for chunk in q.take_postable():
+                take = chunk.stop - chunk.start
+                want = [(run + j + 1) % every == 0 for j in range(take)]
+                if chunk.stop == counts[chunk.owner]:
+                    want[-1] = True
+                assert chunk.signaled.tolist() == want
+                run = 0 if want[-1] else (run + take) % every
+                last = chunk.wr_id + take - 1
+            q.complete(last, WcStatus.SUCCESS)  # every slot back
