@@ -38,7 +38,6 @@ class Job:
         transfer: Transfer,
         plan: Plan | None,
         opcode: Opcode,
-        *,
         local_addr: int,
         lkey: int,
         remote_addr: int,

@@ -93,7 +93,6 @@ class Transfer:
         local_offsets: Sequence[int] | npt.NDArray[np.int64],
         remote_offsets: Sequence[int] | npt.NDArray[np.int64],
         sizes: Sequence[int] | npt.NDArray[np.int64],
-        *,
         drainer: Drainer | None = None,
         uid: int | None = None,
         on_end: Callable[[Transfer], None] | None = None,

@@ -182,10 +182,7 @@ class Session:
             uid = self._uids.claim(uid)  # the last check: a refused uid posts nothing
         transfer = self._new_transfer(opcode, (lo,), (ro,), (sz,), uid)
         mr = self._mr
-        job = Job(
-            transfer, None, opcode, local_addr=mr.addr + lo, lkey=mr.lkey, remote_addr=remote.addr + ro,
-            rkey=self._rkey, size=sz,
-        )  # fmt: skip
+        job = Job(transfer, None, opcode, mr.addr + lo, mr.lkey, remote.addr + ro, self._rkey, sz)
         return self._post(transfer, job)
 
     def _submit(
