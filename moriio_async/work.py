@@ -172,7 +172,8 @@ class WorkBatch:
         keys = _KEYS.get((rkey, lkey))
         if keys is None:
             keys = _keys(rkey, lkey)
-        return cls(wr_id, _OPCODE_ONE[opcode], v[0:1], keys[0], v[1:2], _SIGNALED_ONE, _ONE_SGE, v[2:3], v[1:2], keys[1])
+        one = v[1:2]
+        return cls(wr_id, _OPCODE_ONE[opcode], v[0:1], keys[0], one, _SIGNALED_ONE, _ONE_SGE, v[2:3], one, keys[1])
 
     @classmethod
     def from_requests(cls, wrs: Sequence[WorkRequest]) -> WorkBatch:

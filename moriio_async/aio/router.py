@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np

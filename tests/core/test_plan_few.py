@@ -40,7 +40,7 @@ def test_check_few_agrees_with_check_arrays(batch: tuple[list[int], list[int], l
 
 
 @pytest.mark.parametrize(
-    "lo, ro, sz",
+    ("lo", "ro", "sz"),
     [
         ([0, 8], [0], [8, 8]),  # lengths differ
         ([], [], []),  # empty

@@ -285,7 +285,6 @@ def test_a_completion_naming_the_first_request_of_a_span_ends_the_span_before_it
     assert q.in_flight == 1
 
 
-
 @pytest.mark.parametrize("depth", [4, 16, 64])
 def test_short_owners_get_the_flags_the_rule_gives(depth: int) -> None:
     """Owners of 1-20 requests (the short ones take shared last-only flags): one signaled request in

@@ -13,8 +13,8 @@ import pytest
 
 from moriio_async.aio.channel import ChannelState, Job, QpChannel, cached_key_pairs
 from moriio_async.aio.transfer import Transfer
-from moriio_async.core.plan import Plan
 from moriio_async.backends.base import QueuePair
+from moriio_async.core.plan import Plan
 from moriio_async.status import Opcode, StatusCode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkCompletion, WorkRequest
 
