@@ -173,7 +173,10 @@ class WorkBatch:
         if keys is None:
             keys = _keys(rkey, lkey)
         one = v[1:2]
-        return cls(wr_id, _OPCODE_ONE[opcode], v[0:1], keys[0], one, _SIGNALED_ONE, _ONE_SGE, v[2:3], one, keys[1])
+        ops = _OPCODE_ONE.get(opcode)
+        if ops is None:  # not an Opcode: the backend's post refuses it, as it would any batch holding it
+            ops = np.array((int(opcode),), dtype=np.uint8)
+        return cls(wr_id, ops, v[0:1], keys[0], one, _SIGNALED_ONE, _ONE_SGE, v[2:3], one, keys[1])
 
     @classmethod
     def from_requests(cls, wrs: Sequence[WorkRequest]) -> WorkBatch:

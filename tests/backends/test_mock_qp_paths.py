@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from moriio_async.backends.base import QpState
+from moriio_async.errors import InvalidArgument
 from moriio_async.status import Opcode, WcStatus
-from moriio_async.work import Sge, WorkRequest
+from moriio_async.work import Sge, WorkBatch, WorkRequest
 
 from .harness import PairFactory
 from .test_mock_qp import HOLD, SIZE, moved, polled, requests
@@ -72,3 +73,31 @@ def test_vanish_on_a_pair_already_in_err_leaves_held_requests_to_the_next_step(p
     assert qp.step(5) == 2
     assert polled(pair) == [(1, FLUSH, R, 0), (2, FLUSH, W, 0)]
     assert not any(moved(pair, i, op) for i, op in enumerate([W, R, W]))
+
+
+def test_post_one_is_post_of_the_one_request_batch(pairs: PairFactory) -> None:
+    """``post_one`` (the runtime's single read or write) ends as ``post`` of ``WorkBatch.one``: the same
+    bytes and completion when it succeeds, the same failure when a check fails, the same refusal of an
+    opcode no backend knows, and held requests still wait for ``step``."""
+    for op in (W, R):
+        results = []
+        for how in ("one", "batch"):
+            pair = pairs()
+            a, b = pair.a.mr, pair.b.mr
+            args = (3, op, a.addr, a.lkey, b.addr + SIZE // 2, b.rkey, SIZE // 2)
+            if how == "one":
+                pair.a.qp.post_one(*args)
+            else:
+                pair.a.qp.post(WorkBatch.one(*args))
+            results.append(([(wc.wr_id, wc.status, wc.byte_len) for wc in pair.waiter.wait(1)], moved(pair, 0, op)))
+            bad = (4, op, a.addr, a.lkey ^ 2, b.addr, b.rkey, 8)  # an unknown local key
+            pair.a.qp.post_one(*bad)
+            results.append([(wc.wr_id, wc.status) for wc in pair.waiter.wait(1)])
+        assert results[0] == results[2] and results[1] == results[3] == [(4, WcStatus.LOC_PROT_ERR)]
+    pair = pairs()
+    with pytest.raises(InvalidArgument, match="unsupported opcode 9"):
+        pair.a.qp.post_one(1, 9, pair.a.mr.addr, pair.a.mr.lkey, pair.b.mr.addr, pair.b.mr.rkey, 8)  # type: ignore[arg-type]
+    held = pairs(extra=HOLD)
+    held.a.qp.post_one(1, W, held.a.mr.addr, held.a.mr.lkey, held.b.mr.addr, held.b.mr.rkey, 8)
+    assert held.a.qp.held == 1 and polled(held) == []
+    assert held.a.qp.step() == 1 and [wc.status for wc in held.waiter.wait(1)] == [WcStatus.SUCCESS]
