@@ -22,13 +22,13 @@ import asyncio
 import concurrent.futures
 from dataclasses import dataclass
 
-from ..aio.control import ControlLink
 from ..backends.base import Endpoint, QueuePair
 from ..core.protocol import CloseQp, ConnectQp, QpReady
 from ..descriptors import EngineDesc, MemoryDesc
+from ..engine.transports import PeerChoices, Transport, Transports
 from ..errors import BackendUnavailable, ControlPlaneError, EngineClosed, StalePeer
+from .link import ControlLink
 from .links import LinkRegistry, close_quietly
-from .transports import PeerChoices, Transport, Transports
 
 __all__ = ["ANSWER_WORKERS", "OPEN_WORKERS", "Opened", "PairBroker"]
 

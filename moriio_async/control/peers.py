@@ -18,8 +18,6 @@ import asyncio
 import contextlib
 import logging
 
-from ..aio.control import ControlLink
-from ..aio.listener import Listener
 from ..backends.base import QueuePair
 from ..core.framing import FrameError
 from ..core.protocol import (
@@ -38,6 +36,8 @@ from ..core.protocol import (
     Welcome,
 )
 from ..descriptors import EngineDesc, MemoryDesc
+from ..engine.memory import MemoryRegistry
+from ..engine.transports import Transport, Transports
 from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, StalePeer
 from ..status import StatusCode
 from .book import Peer, PeerBook, PeerInfo, PeerStatistics
@@ -45,10 +45,10 @@ from .guard import Guard
 from .handshake import Handshake, HelloRefused
 from .inbound import InboundStatuses
 from .inbox import Inbox, Notification
+from .link import ControlLink
 from .links import LinkLimits, LinkRegistry
-from .memory import MemoryRegistry
+from .listener import Listener
 from .pairs import PairBroker
-from .transports import Transport, Transports
 
 __all__ = ["DONE_BACKLOG", "PeerTable"]
 

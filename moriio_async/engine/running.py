@@ -15,15 +15,15 @@ from typing import final
 
 from ..aio.router import TAG_SHIFT, CompletionRouter
 from ..backends.base import Backend
+from ..control.guard import Guard
+from ..control.handshake import Handshake
+from ..control.inbound import InboundStatuses
+from ..control.inbox import Inbox
+from ..control.links import LinkLimits
+from ..control.peers import PeerTable
 from ..core.auth import SECRET_ENV
 from .config import IOEngineConfig
-from .guard import Guard
-from .handshake import Handshake
-from .inbound import InboundStatuses
-from .inbox import Inbox
-from .links import LinkLimits
 from .memory import MemoryRegistry
-from .peers import PeerTable
 from .transports import Transports
 
 __all__ = ["Running", "log_trust"]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from moriio_async import ControlPlaneError, IOEngine, IOEngineConfig, PeerError, waiting_for_transfer_complete
-from moriio_async.aio.listener import Listener
+from moriio_async.control.listener import Listener
 
 from .conftest import Pair, make_pair
 from .watch import listening_fds, still_watched

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from moriio_async.aio.control import ControlLink
+from moriio_async.control.link import ControlLink
 
 from .linkpair import Handler
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moriio_async import ControlPlaneError, StalePeer
-from moriio_async.aio.control import ControlLink
+from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import Challenge, Exports, ListMemory, Notify, Refused, Reply, Request, encode
 from moriio_async.errors import AuthenticationError, PeerError

@@ -17,7 +17,7 @@ from moriio_async import (
     StalePeer,
     waiting_for_transfer_complete,
 )
-from moriio_async.aio.control import ControlLink
+from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import Notice, Reply, Request
 

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from moriio_async import EngineClosed, InvalidArgument, IOEngine, IOEngineConfig, StatusCode, TransferFailed, WcStatus
-from moriio_async.engine.inbound import InboundStatuses
+from moriio_async.control.inbound import InboundStatuses
 from moriio_async.engine.uids import TransferUids
 
 from . import wire

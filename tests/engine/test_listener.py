@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from moriio_async.aio.listener import Listener
+from moriio_async.control.listener import Listener
 
 from .watch import listening_fds, still_watched
 from .wire import messages, read_message

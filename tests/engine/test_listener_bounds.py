@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from moriio_async.aio.listener import Listener
+from moriio_async.control.listener import Listener
 
 from .test_listener import Accepted
 from .wire import messages

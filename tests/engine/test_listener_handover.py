@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from moriio_async.aio.listener import Listener
+from moriio_async.control.listener import Listener
 
 from .test_listener import Accepted, Admitted
 
