@@ -11,7 +11,7 @@ from moriio_async import EngineClosed, InvalidArgument, IOEngine, IOEngineConfig
 from moriio_async.control.inbound import InboundStatuses
 from moriio_async.engine.uids import TransferUids
 
-from . import wire
+from ..control import wire
 from .conftest import Pair, make_pair
 
 

@@ -21,7 +21,7 @@ from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import Notice, Reply, Request
 
-from .conftest import Pair
+from ..engine.conftest import Pair
 from .wire import close, engine_fields, frame, hello, messages, open_raw, read_message, until
 
 
