@@ -10,6 +10,7 @@ broker's (``pairs``); who is known is the book's (``book``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Generic
 
 from ..core.framing import FrameError
 from ..core.protocol import (
@@ -32,18 +33,19 @@ from .inbox import Inbox, Notification
 from .link import ControlLink
 from .links import LinkRegistry
 from .pairs import PairBroker
+from .ports import T
 
 __all__ = ["Answers"]
 
 
-class Answers:
+class Answers(Generic[T]):
     """The ``LinkHandler`` for every link of one engine: requests, notices, bad frames and closes."""
 
     def __init__(
         self,
         peers: PeerBook,
         links: LinkRegistry,
-        pairs: PairBroker,
+        pairs: PairBroker[T],
         *,
         exports: Callable[[], list[RegionRecord]],
         inbox: Inbox,

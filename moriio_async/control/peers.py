@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Generic
 
 from ..backends.base import QueuePair
 from ..core.framing import FrameError
@@ -29,8 +30,6 @@ from ..core.protocol import (
     Welcome,
 )
 from ..descriptors import EngineDesc, MemoryDesc
-from ..engine.memory import MemoryRegistry
-from ..engine.transports import Transport, Transports
 from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, StalePeer
 from ..status import StatusCode
 from .answers import Answers
@@ -43,6 +42,7 @@ from .link import ControlLink
 from .links import LinkLimits, LinkRegistry
 from .listener import Listener
 from .pairs import PairBroker
+from .ports import ExportedMemory, T, TransportSet
 
 __all__ = ["DONE_BACKLOG", "PeerTable"]
 
@@ -57,7 +57,7 @@ LISTEN_BACKLOG = 2048
 """Connections the kernel queues for the control listener (clipped to ``net.core.somaxconn``)."""
 
 
-class PeerTable:
+class PeerTable(Generic[T]):
     """Peers, their links and the control-plane protocol: what this engine asks of its peers, the hellos
     it says and answers; what peers ask is ``Answers``'s."""
 
@@ -66,8 +66,8 @@ class PeerTable:
         key: str,
         incarnation: int,
         *,
-        transports: Transports,
-        memory: MemoryRegistry,
+        transports: TransportSet[T],
+        memory: ExportedMemory,
         inbox: Inbox,
         inbound: InboundStatuses,
         limits: LinkLimits,
@@ -176,7 +176,7 @@ class PeerTable:
             )
         return await self._pairs.open(link, peer.desc, remote, transport)
 
-    def transport_of(self, qp: QueuePair) -> Transport:
+    def transport_of(self, qp: QueuePair) -> T:
         """The transport (backend) a pair ``open_qp`` gave runs on."""
         return self._transports.of(qp)
 

@@ -24,7 +24,7 @@ from ..control.peers import PeerTable
 from ..core.auth import SECRET_ENV
 from .config import IOEngineConfig
 from .memory import MemoryRegistry
-from .transports import Transports
+from .transports import Transport, Transports
 
 __all__ = ["Running", "log_trust"]
 
@@ -37,7 +37,7 @@ class Running:
 
     __slots__ = ("backend", "backends", "peers", "router", "stopped", "transports")
 
-    def __init__(self, transports: Transports, router: CompletionRouter, peers: PeerTable) -> None:
+    def __init__(self, transports: Transports, router: CompletionRouter, peers: PeerTable[Transport]) -> None:
         self.transports = transports
         self.backend = transports.primary.backend
         """The first (preferred) backend: the one for ``allocate_memory`` and ``describe_backend``."""

@@ -31,6 +31,7 @@ from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
 from .memory import LocalRegion
+from .transports import Transport
 from .uids import TransferUids
 
 __all__ = ["Session"]
@@ -55,7 +56,7 @@ class Session:
         qp: QueuePair,
         *,
         router: CompletionRouter,
-        peers: PeerTable,
+        peers: PeerTable[Transport],
         uids: TransferUids,
         sessions: set[Session],
         max_wr_bytes: int,
