@@ -101,7 +101,7 @@ def _target(size: int, plan: str, secret: str, retry_timeout: float, pipe: Any) 
             await done.wait()
             loop.remove_reader(pipe.fileno())
             stats = engine.statistics()
-            pipe.send({"statistics": {k: v for k, v in stats.items() if k != "reader"},
+            pipe.send({"statistics": stats.figures(),
                        "data_plane": engine.describe_backend().get("data_plane", {})})  # fmt: skip
 
     asyncio.run(main())
@@ -274,7 +274,7 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
         "rss_mb": {who: [round(start[who][0] / 2**20, 1), round(end[who][0] / 2**20, 1)] for who in start},
         "fds": {who: [start[who][1], end[who][1]] for who in start},
         "rss_mb_every_tenth": samples,
-        "initiator": {k: initiator_stats[k] for k in ("sessions", "links", "peers", "opened_qps")},
+        "initiator": {k: initiator_stats.figures()[k] for k in ("sessions", "links", "peers", "opened_qps")},
         "target": {k: target_report["statistics"][k] for k in ("links", "peers", "answering_qps", "rogue_hellos",
                                                                  "bad_frames", "auth_failures", "impersonations")},
         "target_data_plane": target_report["data_plane"],

@@ -15,7 +15,7 @@ from __future__ import annotations
 from .aio.transfer import Transfer
 from .aio.wait import waiting_for_transfer_complete
 from .descriptors import EngineDesc, MemoryDesc, TransportDesc
-from .engine import IOEngine, IOEngineConfig, Notification, PeerInfo, Session
+from .engine import EngineStatistics, IOEngine, IOEngineConfig, Notification, PeerInfo, Session, SessionStatistics
 from .errors import (
     AuthenticationError,
     BackendUnavailable,
@@ -45,6 +45,7 @@ __all__ = [
     "ControlPlaneError",
     "EngineClosed",
     "EngineDesc",
+    "EngineStatistics",
     "IOEngine",
     "IOEngineConfig",
     "InvalidArgument",
@@ -56,6 +57,7 @@ __all__ = [
     "PeerInfo",
     "Session",
     "SessionClosed",
+    "SessionStatistics",
     "StalePeer",
     "StatusCode",
     "Transfer",

@@ -60,6 +60,7 @@ The semantics every backend keeps (the conformance suite checks them):
 from __future__ import annotations
 
 import abc
+import enum
 import mmap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -127,8 +128,8 @@ class BackendOptions:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
-class QpState:
-    """Queue-pair states, named as in verbs."""
+class QpState(enum.StrEnum):
+    """Queue-pair states, named as in verbs (a ``str``: logs and endpoints show the name)."""
 
     RESET = "RESET"
     INIT = "INIT"
@@ -187,8 +188,8 @@ class QueuePair(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def state(self) -> str:
-        """One of ``QpState``'s values."""
+    def state(self) -> QpState:
+        """Where the pair is in its life (verbs' names)."""
 
     @abc.abstractmethod
     def endpoint(self) -> Endpoint:

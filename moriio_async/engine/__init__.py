@@ -5,5 +5,15 @@ from .config import IOEngineConfig
 from .engine import IOEngine
 from .inbox import Notification
 from .session import Session
+from .statistics import EngineStatistics, InboundStatistics, SessionStatistics
 
-__all__ = ["IOEngine", "IOEngineConfig", "Notification", "PeerInfo", "Session"]
+__all__ = [
+    "EngineStatistics",
+    "IOEngine",
+    "IOEngineConfig",
+    "InboundStatistics",
+    "Notification",
+    "PeerInfo",
+    "Session",
+    "SessionStatistics",
+]

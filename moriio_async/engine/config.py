@@ -73,7 +73,7 @@ class IOEngineConfig:
     whole message (a silent one first: nothing had come by its accept, while an honest dialer sends its
     hello at once), else the oldest that has been in its hello for half ``hello_timeout``; only if every one
     is younger and has sent a whole message is the newcomer refused. So silent or trickling connections can
-    neither fill ``max_links`` nor keep a legitimate peer out; counted in ``statistics()["evicted_hellos"]``."""
+    neither fill ``max_links`` nor keep a legitimate peer out; counted in ``statistics().guard.evicted_hellos``."""
     max_hellos_per_address: int = 32
     """Of those, from one remote address: over it, the oldest from that address that had half its hello
     deadline makes room."""
@@ -83,7 +83,7 @@ class IOEngineConfig:
     TCP data port. Past it, each new connection from that source to that port waits a quarter of the hello
     deadline before it is heard, for ``failure_lockout`` seconds (a timer, never a sleep on the event loop):
     every further guess costs the guesser that long, while an honest peer behind the same address is only
-    delayed, never refused (counted in ``statistics()["lockouts"]``, ``["delayed"]`` and in the data-plane
+    delayed, never refused (counted in ``statistics().guard.lockouts``, ``.guard.delayed`` and in the data-plane
     counters)."""
     failure_lockout: float = 30.0
     """Seconds over which failures are counted, and for which a source over its budget is delayed."""
@@ -103,18 +103,18 @@ class IOEngineConfig:
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
     max_data_hellos: int = 64
     """TCP backend: data connections allowed in their hello (token not yet checked) at once; one more closes
-    the oldest one in its hello, a silent one first (counted in ``statistics()["data_plane"]["evicted_hellos"]``)."""
+    the oldest one in its hello, a silent one first (counted in ``statistics().data_plane["evicted_hellos"]``)."""
     max_data_hellos_per_address: int = 32
     """TCP backend: of those, from one remote address (the oldest from there that had half its deadline
     makes room)."""
     max_inbound_statuses: int = 4096
     """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
-    oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
+    oldest unpopped one is dropped (counted in ``statistics().inbound.dropped``). A forgotten peer's go
     with it."""
     max_inbound_status_bytes: int = 8 << 20
     """Target side: bytes all initiators' unpopped inbound statuses may take together (accounted: 320 an
     entry, about 700 an initiator); beyond it the oldest entry of any initiator is dropped (counted in
-    ``statistics()["inbound_dropped"]`` and ``["inbound_dropped_for_bytes"]``)."""
+    ``statistics().inbound.dropped`` and ``.inbound.dropped_for_bytes``)."""
 
     def __post_init__(self) -> None:
         for name in (

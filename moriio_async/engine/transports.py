@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from ..aio.router import TAG_SHIFT
 from ..backends import open_backend
-from ..backends.base import Backend, BackendOptions, CompletionQueue, Endpoint, QueuePair
+from ..backends.base import Backend, BackendOptions, CompletionQueue, Endpoint, QpState, QueuePair
 from ..descriptors import EngineDesc, TransportDesc
 from ..errors import BackendUnavailable
 from ..work import WorkBatch
@@ -95,7 +95,7 @@ class TaggedQp(QueuePair):
         self.max_sge = inner.max_sge
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self.inner.state
 
     def endpoint(self) -> Endpoint:

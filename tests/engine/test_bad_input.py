@@ -48,7 +48,7 @@ async def test_a_bad_block_anywhere_in_a_batch_posts_none_of_it(pair: Pair) -> N
     offs = list(range(0, 100 * 64, 64))
     with pytest.raises(InvalidArgument, match="block 99"):
         pair.session.batch_write(offs, [*offs[:-1], 1 << 20], [64] * 100)
-    assert pair.session.statistics()["posted"] == 0
+    assert pair.session.statistics().posted == 0
 
 
 @pytest.mark.parametrize(
@@ -165,11 +165,11 @@ async def test_calls_that_change_the_engine_are_refused_off_its_loop_thread(pair
         "announce_transfer": lambda: a.announce_transfer("b", 1),
         "drain_completions": a.drain_completions,
     }
-    regions = a.statistics()["regions"]
+    regions = a.statistics().regions
     for name, call in calls.items():
         with pytest.raises(InvalidArgument, match=f"IOEngine.{name} was called off the thread"):
             await asyncio.to_thread(call)
-    assert a.statistics()["regions"] == regions
+    assert a.statistics().regions == regions
     assert await asyncio.to_thread(a.allocate_transfer_uid) >= 0  # documented as safe from any thread
     assert await asyncio.to_thread(b.pop_inbound_transfer_status, "a", 1) is None  # nothing was announced
     await pair.session.write(0, 0, 64)  # "b" is still known, the region still registered

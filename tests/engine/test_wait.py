@@ -164,7 +164,7 @@ async def test_awaiting_a_failed_transfer_raises_transfer_failed(held: Pair) -> 
         await t
     err = info.value
     assert err.peer == "b" and err.local_offsets == (0,) and err.remote_offsets == (0,)
-    assert err.qp_num == held.session.statistics()["qp_num"]
+    assert err.qp_num == held.session.statistics().qp_num
 
 
 async def test_peer_vanishing_fails_oldest_with_retry_exceeded_then_flushes(held: Pair) -> None:
@@ -183,11 +183,11 @@ async def test_empty_wait_returns_at_once() -> None:
 async def test_the_deadline_drains_each_engine_once_however_many_transfers_wait(held: Pair) -> None:
     """The dedup keyed on the id of a bound method made per transfer: one drain per pending transfer."""
     ts = [held.session.read(i, i, 1) for i in range(50)]
-    before = held.a.statistics()["drains"]
+    before = held.a.statistics().router.drains
     with pytest.raises(TransferError) as info:
         await waiting_for_transfer_complete(ts, timeout=0.01)
     assert len(info.value.timed_out) == 50
-    assert held.a.statistics()["drains"] == before + 1
+    assert held.a.statistics().router.drains == before + 1
     nic(held).step(50)
     await waiting_for_transfer_complete(ts, timeout=5)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import ControlPlaneError, PeerError
 from ...status import WcStatus
-from ..base import BackendOptions
+from ..base import BackendOptions, QpState
 from .inuse import InUse
 from .kernel import boot_id, map_shared, process_vm, start_time, unmap
 from .pairstate import PairState
@@ -186,7 +186,7 @@ class TargetLink:
         with st.lock:
             # As on a wire: with nothing outstanding the pair stays RTS, and the next request
             # fails RETRY_EXC_ERR (the worker checks ``gone`` before every window).
-            if st.state == "RTS" and st.pending:
+            if st.state == QpState.RTS and st.pending:
                 st.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
 
     def shutdown(self) -> None:

@@ -81,7 +81,7 @@ class CmaQueuePair(QueuePair):
     # -- the contract -----------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self.pair_state.state
 
     def endpoint(self) -> Endpoint:

@@ -81,7 +81,7 @@ class MockQueuePair(QueuePair):
     # -- the contract -----------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self._state
 
     @property
