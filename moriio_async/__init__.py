@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from .aio.transfer import Transfer
 from .aio.wait import waiting_for_transfer_complete
+from .backends.cma.options import CmaOptions
+from .backends.mock.options import MockOptions
+from .backends.tcp.options import TcpOptions
+from .backends.verbs.options import VerbsOptions
 from .descriptors import EngineDesc, MemoryDesc, TransportDesc
 from .engine import EngineStatistics, IOEngine, IOEngineConfig, Notification, PeerInfo, Session, SessionStatistics
 from .errors import (
@@ -42,6 +46,7 @@ __all__ = [
     "Access",
     "AuthenticationError",
     "BackendUnavailable",
+    "CmaOptions",
     "ControlPlaneError",
     "EngineClosed",
     "EngineDesc",
@@ -51,6 +56,7 @@ __all__ = [
     "InvalidArgument",
     "MemoryDesc",
     "MemoryInUse",
+    "MockOptions",
     "MoriioError",
     "Notification",
     "PeerError",
@@ -60,12 +66,14 @@ __all__ = [
     "SessionStatistics",
     "StalePeer",
     "StatusCode",
+    "TcpOptions",
     "Transfer",
     "TransferError",
     "TransferFailed",
     "TransferStatus",
     "TransferTimeout",
     "TransportDesc",
+    "VerbsOptions",
     "WcStatus",
     "waiting_for_transfer_complete",
 ]

@@ -9,6 +9,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState, SendQueueFull
+from moriio_async.backends.mock import MockOptions
 from moriio_async.errors import InvalidArgument, PeerError
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkRequest
@@ -18,7 +19,7 @@ from .harness import Pair, PairFactory, make_options, statuses, wr_ids
 pytestmark = [pytest.mark.timeout(60), pytest.mark.only_backends("mock", reason="the mock queue pair's seams")]
 
 W, R = Opcode.RDMA_WRITE, Opcode.RDMA_READ
-HOLD = {"hold": True}
+HOLD = MockOptions(hold=True)
 SIZE = 256
 
 
@@ -39,7 +40,7 @@ def moved(pair: Pair, i: int, op: Opcode) -> bool:
 
 
 def test_held_requests_run_only_when_stepped_oldest_first(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, W, R], [True, False, True]))
     qp.post_send(requests(pair, [R, W], first=3))
@@ -55,7 +56,7 @@ def test_held_requests_run_only_when_stepped_oldest_first(pairs: PairFactory) ->
 
 
 def test_fail_next_ends_the_next_executed_request_and_flushes_the_rest(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, W, W], [False, True, True]))
     qp.step(1)  # an unsignaled success: no completion yet
@@ -81,7 +82,7 @@ def test_fail_next_without_hold_applies_to_the_next_post_once(pairs: PairFactory
 
 
 def test_vanish_fails_the_oldest_held_request_as_a_dead_peer(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, R, W], [False, False, True]))
     qp.vanish()
@@ -94,7 +95,7 @@ def test_vanish_fails_the_oldest_held_request_as_a_dead_peer(pairs: PairFactory)
     assert not moved(pair, 0, W) and not moved(pair, 1, R)
     qp.post_send(requests(pair, [W]))  # in ERR: flushed at once, even with hold
     assert polled(pair) == [(0, WcStatus.WR_FLUSH_ERR, W, 0)]
-    idle = pairs(extra=HOLD)
+    idle = pairs(specific=HOLD)
     idle.a.qp.vanish()  # nothing held: no completion, the pair is in ERR all the same
     assert idle.a.qp.state == QpState.ERR and polled(idle) == []
     idle.a.qp.post_send(requests(idle, [R]))
@@ -113,7 +114,7 @@ def test_a_request_to_a_closed_peer_runs_out_of_retries(pairs: PairFactory) -> N
 
 def test_each_completion_frees_the_slots_of_the_successes_it_covers(pairs: PairFactory) -> None:
     for hold in (False, True):
-        pair = pairs(sq_depth=4, extra={"hold": hold})
+        pair = pairs(sq_depth=4, specific=MockOptions(hold=hold))
         qp = pair.a.qp
         qp.post_send(requests(pair, [W]))
         qp.post_send(requests(pair, [W, R], [False, False], first=1))
@@ -250,7 +251,7 @@ def test_access_rights_at_both_ends_for_every_shape_of_post(pairs: PairFactory, 
     """The quick path of a single request, the general one (held, or several SGEs) and a chunk of equal
     requests apply the same rights, and a refused request moves no byte."""
     for local_access, remote_access in ACCESS:
-        pair = pairs(extra={"hold": shape == "held-one"})
+        pair = pairs(specific=MockOptions(hold=shape == "held-one"))
         src = np.random.default_rng(1).integers(0, 256, 4 * SIZE, dtype=np.uint8)
         dst = np.random.default_rng(2).integers(0, 256, 4 * SIZE, dtype=np.uint8)
         mine = pair.a.register(src if op is W else dst, local_access)

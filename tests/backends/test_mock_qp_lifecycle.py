@@ -7,6 +7,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
+from moriio_async.backends.mock import MockOptions
 from moriio_async.backends.mock.fabric import MockFabric
 from moriio_async.status import Opcode, WcStatus
 
@@ -27,7 +28,7 @@ def test_closed_is_false_until_close_then_true(pairs: PairFactory) -> None:
 
 
 def test_to_error_flushes_every_held_request_at_once(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, R]))
     qp.post_send(requests(pair, [W], first=2))
@@ -41,7 +42,7 @@ def test_to_error_flushes_every_held_request_at_once(pairs: PairFactory) -> None
 
 def test_a_closed_passive_pair_leaves_its_fabric() -> None:
     fabric = MockFabric()
-    backend = open_backend("mock", make_options(extra={"fabric": fabric}))
+    backend = open_backend("mock", make_options(specific=MockOptions(fabric=fabric)))
     try:
         passive = backend.create_qp(backend.create_cq(8))
         passive.connect({"accepting": False})  # waits for a dial by its token

@@ -23,7 +23,7 @@ FLUSH = WcStatus.WR_FLUSH_ERR
 
 @pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
 def test_hold_keeps_a_single_request_of_one_sge_until_stepped(pairs: PairFactory, op: Opcode) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [op]))  # the shape the quick path takes when nothing is held
     assert qp.held == 1 and polled(pair) == [] and not moved(pair, 0, op)
@@ -61,7 +61,7 @@ def test_a_single_request_without_sges_succeeds_and_moves_nothing(pairs: PairFac
 
 
 def test_vanish_on_a_pair_already_in_err_leaves_held_requests_to_the_next_step(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, R, W]))
     qp.fail_next(WcStatus.REM_ACCESS_ERR)

@@ -17,6 +17,7 @@ from moriio_async import (
     MemoryDesc,
     MemoryInUse,
     SessionClosed,
+    TcpOptions,
 )
 
 from .conftest import Pair
@@ -130,20 +131,20 @@ async def test_bad_addresses_and_configs() -> None:
         IOEngineConfig(transfer_timeout=0)
     with pytest.raises(InvalidArgument):
         IOEngineConfig(port=70000)
-    with pytest.raises(InvalidArgument, match="max_data_hellos"):
-        IOEngineConfig(max_data_hellos=0)
+    with pytest.raises(InvalidArgument, match=r"TcpOptions\.max_data_hellos"):
+        TcpOptions(max_data_hellos=0)
     # The TCP backend's cap on connections in their hello comes from the engine's config.
-    assert IOEngineConfig(max_data_hellos=3).backend_options().max_data_hellos == 3
+    assert IOEngineConfig(tcp=TcpOptions(max_data_hellos=3)).backend_options("tcp").specific == TcpOptions(3)
     for name in ("hello_timeout", "failure_lockout"):
         with pytest.raises(InvalidArgument, match=name):
             IOEngineConfig(**{name: 0})  # type: ignore[arg-type]
-    for name in ("max_hellos", "max_hellos_per_address", "max_data_hellos_per_address", "max_failures_per_source"):
+    with pytest.raises(InvalidArgument, match=r"TcpOptions\.max_data_hellos_per_address"):
+        TcpOptions(max_data_hellos_per_address=0)
+    for name in ("max_hellos", "max_hellos_per_address", "max_failures_per_source"):
         with pytest.raises(InvalidArgument, match=name):
             IOEngineConfig(**{name: 0})  # type: ignore[arg-type]
-    options = IOEngineConfig(
-        hello_timeout=2.0, max_data_hellos_per_address=5, max_failures_per_source=7, failure_lockout=9.0
-    ).backend_options()
-    assert (options.hello_timeout, options.max_data_hellos_per_address) == (2.0, 5)
+    options = IOEngineConfig(hello_timeout=2.0, max_failures_per_source=7, failure_lockout=9.0).backend_options("tcp")
+    assert options.hello_timeout == 2.0
     assert (options.max_failures_per_source, options.failure_lockout) == (7, 9.0)
     async with IOEngine("x", IOEngineConfig(backend="mock")) as e:
         with pytest.raises(InvalidArgument, match="host:port"):

@@ -7,7 +7,16 @@ import contextlib
 
 import pytest
 
-from moriio_async import EngineClosed, InvalidArgument, IOEngine, IOEngineConfig, StatusCode, TransferFailed, WcStatus
+from moriio_async import (
+    EngineClosed,
+    InvalidArgument,
+    IOEngine,
+    IOEngineConfig,
+    MockOptions,
+    StatusCode,
+    TransferFailed,
+    WcStatus,
+)
 from moriio_async.engine.inbound import InboundStatuses
 from moriio_async.engine.uids import TransferUids
 
@@ -189,7 +198,7 @@ async def test_a_restarted_initiator_starts_with_no_statuses(backend: str) -> No
 async def test_a_transfer_to_a_restarted_target_is_not_filed_by_its_new_incarnation() -> None:
     """A transfer with uid 3 to b's first incarnation ends after b restarted (same key, same uids to come):
     its done notice belongs to the engine that is gone, never to the new one."""
-    a, b, p = await make_pair("mock", backend_extra={"hold": True})
+    a, b, p = await make_pair("mock", mock=MockOptions(hold=True))
     b2: IOEngine | None = None
     try:
         qp = p.session.channel.qp

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from ..base import Backend, BackendOptions
 from .backend import CmaBackend
+from .options import CmaOptions
 from .permissions import CmaNotPermitted
-from .qp import CmaQueuePair, Tuning
+from .qp import CmaQueuePair
 from .regions import CmaRegion
 from .wire import VendorErr
 
-__all__ = ["CmaBackend", "CmaNotPermitted", "CmaQueuePair", "CmaRegion", "Tuning", "VendorErr", "open_backend"]
+__all__ = ["CmaBackend", "CmaNotPermitted", "CmaOptions", "CmaQueuePair", "CmaRegion", "VendorErr", "open_backend"]
 
 
 def open_backend(options: BackendOptions) -> Backend:

@@ -30,9 +30,10 @@ import numpy as np
 
 from ...errors import ControlPlaneError, PeerError
 from ...status import WcStatus
-from ..base import BackendOptions, QpState
+from ..base import BackendOptions, QpState, specific_options
 from .inuse import InUse
 from .kernel import boot_id, map_shared, process_vm, start_time, unmap
+from .options import CmaOptions
 from .pairstate import PairState
 from .permissions import CmaNotPermitted, explain
 from .table import FUTURE_WRITE, LIVE, TableView
@@ -283,7 +284,7 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
             what, hint = explain(err, pid)
             if _first_refusal(pid, started):  # one line per target process, however many pairs try
                 # With a transport to fall back on, the engine says it (once, with this reason).
-                quiet = options.extra.get("quiet_refusal") is True
+                quiet = specific_options(options, CmaOptions).quiet_refusal
                 log.log(logging.INFO if quiet else logging.WARNING, "cma: %s; fix: %s", what, hint)
             raise CmaNotPermitted(f"qp {qp_num}: {what}", hint=hint)
         if got.tobytes() != nonce:

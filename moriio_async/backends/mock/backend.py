@@ -6,10 +6,11 @@ from typing import Any, ClassVar
 
 from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
-from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
+from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
 from ..softcq import SoftCompletionQueue
 from .fabric import MockFabric
 from .memory import MemoryTable
+from .options import MockOptions
 from .qp import MockQueuePair
 
 __all__ = ["MockBackend"]
@@ -20,7 +21,8 @@ class MockBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
-        self.fabric = MockFabric.of(options.extra)
+        self.own = specific_options(options, MockOptions)
+        self.fabric = self.own.fabric if self.own.fabric is not None else MockFabric.default()
         self.memory = MemoryTable()
         self._qps: dict[int, MockQueuePair] = {}
         self._cqs: list[SoftCompletionQueue] = []
@@ -35,7 +37,7 @@ class MockBackend(Backend):
 
     def create_cq(self, depth: int) -> CompletionQueue:
         self._check_open()
-        cq = SoftCompletionQueue(depth, notify=not self.options.extra.get("silent_cq", False))
+        cq = SoftCompletionQueue(depth, notify=not self.own.silent_cq)
         self._cqs.append(cq)
         return cq
 
@@ -50,8 +52,8 @@ class MockBackend(Backend):
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "mock",
-            "hold": bool(self.options.extra.get("hold", False)),
-            "silent_cq": bool(self.options.extra.get("silent_cq", False)),
+            "hold": self.own.hold,
+            "silent_cq": self.own.silent_cq,
             "sq_depth": max(1, self.options.sq_depth),
             "max_sge": max(1, self.options.max_sge),
         }

@@ -20,11 +20,12 @@ import numpy as np
 from ...errors import InvalidArgument, PeerError
 from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
-from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
+from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull, specific_options
 from ..softcq import SoftCompletionQueue
 from .execute import execute, execute_one
 from .fabric import MockFabric
 from .memory import MemoryTable
+from .options import MockOptions
 
 __all__ = ["MockQueuePair"]
 
@@ -60,7 +61,7 @@ class MockQueuePair(QueuePair):
         self.qp_num = fabric.next_qp_num()
         self.max_send_wr = max(1, options.sq_depth)
         self.max_sge = max(1, options.max_sge)
-        self.hold = bool(options.extra.get("hold", False))
+        self.hold = specific_options(options, MockOptions).hold
         """Keep posted requests until ``step``: completion timing becomes a function of the test's calls."""
         self.memory = memory
         self._cq = cq

@@ -16,6 +16,7 @@ from ..base import Backend, BackendOptions
 from .backend import TcpBackend
 from .faults import PlanHooks
 from .hooks import Fault, Hooks
+from .options import TcpOptions
 from .qp import TcpQueuePair
 from .regions import TcpRegion
 from .wire import VendorErr
@@ -25,6 +26,7 @@ __all__ = [
     "Hooks",
     "PlanHooks",
     "TcpBackend",
+    "TcpOptions",
     "TcpQueuePair",
     "TcpRegion",
     "VendorErr",
