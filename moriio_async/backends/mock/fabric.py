@@ -3,7 +3,7 @@
 An endpoint crosses the engines' control plane as JSON, so the active pair can
 only name its peer by a token; something both backends share must map the
 token to the passive pair. That is a ``MockFabric``. Give backends one with
-``BackendOptions(extra={"fabric": fabric})`` to keep them apart from every
+``MockOptions(fabric=fabric)`` to keep them apart from every
 other mock in the process; backends opened without one join the process's
 default fabric, so two engines configured independently (as users and most
 tests do) still reach each other.

@@ -1,7 +1,7 @@
 """Applying a ``FaultPlan`` at the TCP backend's seams (``hooks.py``).
 
-Give a backend a plan with ``BackendOptions(extra={"fault_plan": plan})``
-(``IOEngineConfig(backend_extra=...)``), or give it ``{"hooks": PlanHooks(plan)}``
+Give a backend a plan with ``TcpOptions(fault_plan=plan)``
+(``IOEngineConfig(tcp=...)``), or give it ``TcpOptions(hooks=PlanHooks(plan))``
 to keep the hooks: ``applied`` lists what fired, ``release()`` ends stalls and
 delays. The hooks run on the backend's NIC threads, never on an event loop.
 """

@@ -26,7 +26,7 @@ the initiator's queue pairs, as the initiator would observe it:
 
 Pairs and requests are counted as in ``core/faultplan.py``: pairs in the order
 of their first post, requests per pair in posting order. Set it with
-``backend_extra={"fault_plan": plan}`` (a ``FaultPlan``, its dict, or its JSON)
+``VerbsOptions(fault_plan=plan)`` (a ``FaultPlan``, its dict, or its JSON)
 on the initiator's engine. Everything runs on the event-loop thread, except a
 timer thread per wait that only wakes the completion queue.
 """
