@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from .aio.transfer import Transfer
 from .aio.wait import waiting_for_transfer_complete
-from .backends.cma.options import CmaOptions
-from .backends.mock.options import MockOptions
-from .backends.tcp.options import TcpOptions
-from .backends.verbs.options import VerbsOptions
+from .backends.options import CmaOptions, MockOptions, TcpOptions, VerbsOptions
 from .descriptors import EngineDesc, MemoryDesc, TransportDesc
 from .engine import EngineStatistics, IOEngine, IOEngineConfig, Notification, PeerInfo, Session, SessionStatistics
 from .errors import (

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from ..backends import open_backend
 from ..backends.base import Backend, BackendOptions, MemoryRegion, QueuePair
+from ..backends.options import VerbsOptions
 from ..backends.verbs import probe
 from ..backends.verbs.facts import GID_TYPE_ROCE_V2, LINK_LAYER_ETHERNET, ProbeReport, memlock_limit
 from ..backends.verbs.gid import choose_gid
-from ..backends.verbs.options import VerbsOptions
 from ..errors import MoriioError
 from ..status import Access, Opcode
 from ..work import Sge, WorkCompletion, WorkRequest

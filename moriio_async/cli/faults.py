@@ -34,9 +34,8 @@ from typing import Any
 
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
+from ..backends.options import TcpOptions, VerbsOptions
 from ..backends.tcp.faults import PlanHooks
-from ..backends.tcp.options import TcpOptions
-from ..backends.verbs.options import VerbsOptions
 from ..core.faultplan import FaultPlan
 from ..engine import IOEngine, IOEngineConfig
 from ..errors import MoriioError, TransferError

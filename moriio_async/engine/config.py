@@ -9,10 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..backends.base import BackendOptions
-from ..backends.cma.options import CmaOptions
-from ..backends.mock.options import MockOptions
-from ..backends.tcp.options import TcpOptions
-from ..backends.verbs.options import VerbsOptions
+from ..backends.options import CmaOptions, MockOptions, TcpOptions, VerbsOptions
 from ..core.auth import load_secret
 from ..core.faultplan import FaultPlan
 from ..core.protocol import MAX_KEY

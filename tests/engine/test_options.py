@@ -19,7 +19,6 @@ from moriio_async.core.faultplan import FaultPlan
         (lambda: CmaOptions(threads=65), "CmaOptions.threads"),
         (lambda: CmaOptions(ptracer="all"), "CmaOptions.ptracer"),
         (lambda: MockOptions(hold=1), "MockOptions.hold"),
-        (lambda: MockOptions(fabric="f"), "MockOptions.fabric"),
         (lambda: IOEngineConfig(tcp=CmaOptions()), "IOEngineConfig.tcp"),
     ],
 )
@@ -54,6 +53,11 @@ def test_backend_extra_still_works_with_a_deprecation_warning_and_lands_in_the_t
         pytest.raises(InvalidArgument, match=r"CmaOptions\.threads"),
     ):
         IOEngineConfig(backend_extra={"threads": 0})
+
+
+async def test_a_fabric_that_is_not_one_is_refused_when_the_backend_opens() -> None:
+    with pytest.raises(InvalidArgument, match=r"MockOptions\.fabric"):
+        await IOEngine("x", IOEngineConfig(backend="mock", mock=MockOptions(fabric="f"))).start()
 
 
 async def test_an_engine_opened_with_mock_options_holds_its_nic() -> None:

@@ -23,8 +23,8 @@ revocations), ``permissions`` (Yama, PR_SET_PTRACER, the clear error),
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import CmaOptions
 from .backend import CmaBackend
-from .options import CmaOptions
 from .permissions import CmaNotPermitted
 from .qp import CmaQueuePair
 from .regions import CmaRegion

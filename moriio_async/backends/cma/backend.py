@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..options import CmaOptions
 from ..softcq import SoftCompletionQueue
 from .kernel import yama_scope
-from .options import CmaOptions
 from .permissions import PtracerPolicy, has_cap_sys_ptrace
 from .qp import MAX_SEND_WR, MAX_SGE, CmaQueuePair
 from .regions import LocalTable, table_flags

@@ -31,9 +31,9 @@ import numpy as np
 from ...errors import ControlPlaneError, PeerError
 from ...status import WcStatus
 from ..base import BackendOptions, QpState, specific_options
+from ..options import CmaOptions
 from .inuse import InUse
 from .kernel import boot_id, map_shared, process_vm, start_time, unmap
-from .options import CmaOptions
 from .pairstate import PairState
 from .permissions import CmaNotPermitted, explain
 from .table import FUTURE_WRITE, LIVE, TableView

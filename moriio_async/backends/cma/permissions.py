@@ -35,6 +35,7 @@ import threading
 from pathlib import Path
 
 from ...errors import BackendUnavailable
+from ..options import PTRACER_POLICIES
 from .kernel import PR_SET_PTRACER_ANY, set_ptracer, yama_scope
 
 __all__ = ["CmaNotPermitted", "PtracerPolicy", "explain", "has_cap_sys_ptrace"]
@@ -42,7 +43,7 @@ __all__ = ["CmaNotPermitted", "PtracerPolicy", "explain", "has_cap_sys_ptrace"]
 log = logging.getLogger("moriio_async.cma")
 
 _CAP_SYS_PTRACE = 19
-POLICIES = ("peer", "any", "off")
+POLICIES = PTRACER_POLICIES
 
 
 class CmaNotPermitted(BackendUnavailable):

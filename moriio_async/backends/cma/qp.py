@@ -19,11 +19,11 @@ from ...errors import InvalidArgument
 from ...status import WcStatus
 from ...work import WorkBatch
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
+from ..options import CmaOptions
 from ..softcq import SoftCompletionQueue
 from ..softpair import check_shape
 from .initiator import TargetLink, dial
 from .iov import Mover
-from .options import CmaOptions
 from .pairstate import PairState
 from .regions import LocalTable
 from .target import Connection, TargetPort

@@ -28,9 +28,9 @@ runs next.
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import MockOptions
 from .backend import MockBackend
 from .fabric import MockFabric
-from .options import MockOptions
 from .qp import MockQueuePair
 
 __all__ = ["MockBackend", "MockFabric", "MockOptions", "MockQueuePair", "open_backend"]

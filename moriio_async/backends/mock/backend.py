@@ -7,10 +7,10 @@ from typing import Any, ClassVar
 from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..options import MockOptions
 from ..softcq import SoftCompletionQueue
 from .fabric import MockFabric
 from .memory import MemoryTable
-from .options import MockOptions
 from .qp import MockQueuePair
 
 __all__ = ["MockBackend"]
@@ -22,7 +22,10 @@ class MockBackend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
         self.own = specific_options(options, MockOptions)
-        self.fabric = self.own.fabric if self.own.fabric is not None else MockFabric.default()
+        fabric = self.own.fabric
+        if fabric is not None and not isinstance(fabric, MockFabric):
+            raise InvalidArgument(f"MockOptions.fabric must be a MockFabric, not {type(fabric).__name__}")
+        self.fabric = fabric if fabric is not None else MockFabric.default()
         self.memory = MemoryTable()
         self._qps: dict[int, MockQueuePair] = {}
         self._cqs: list[SoftCompletionQueue] = []

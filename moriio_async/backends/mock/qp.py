@@ -21,11 +21,11 @@ from ...errors import InvalidArgument, PeerError
 from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull, specific_options
+from ..options import MockOptions
 from ..softcq import SoftCompletionQueue
 from .execute import execute, execute_one
 from .fabric import MockFabric
 from .memory import MemoryTable
-from .options import MockOptions
 
 __all__ = ["MockQueuePair"]
 

@@ -13,10 +13,10 @@ seams, and fault plans applied at them).
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import TcpOptions
 from .backend import TcpBackend
 from .faults import PlanHooks
 from .hooks import Fault, Hooks
-from .options import TcpOptions
 from .qp import TcpQueuePair
 from .regions import TcpRegion
 from .wire import VendorErr

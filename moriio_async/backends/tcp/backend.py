@@ -29,12 +29,12 @@ from typing import Any, ClassVar
 from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..options import TcpOptions
 from ..softcq import SoftCompletionQueue
 from .faults import hooks_from
 from .guard import DataGuard
 from .hooks import Hooks
 from .listener import Listener
-from .options import TcpOptions
 from .qp import MAX_SEND_WR, MAX_SGE, TcpQueuePair
 from .regions import RegionTable
 from .wire import VERSION

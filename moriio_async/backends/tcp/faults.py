@@ -17,8 +17,8 @@ from ...core.faultplan import Action, Applied, FaultPlan, FaultRule
 from ...errors import InvalidArgument
 from ...status import WcStatus
 from ...work import WorkRequest
+from ..options import TcpOptions
 from .hooks import Fault, Hooks
-from .options import TcpOptions
 
 __all__ = ["PlanHooks", "hooks_from"]
 
@@ -135,4 +135,8 @@ class PlanHooks(Hooks):
 
 def hooks_from(options: TcpOptions) -> Hooks | None:
     """The hooks ``TcpOptions`` asks for: its ``hooks``, or ``PlanHooks`` applying its ``fault_plan``."""
-    return PlanHooks(options.fault_plan) if options.fault_plan is not None else options.hooks
+    if options.fault_plan is not None:
+        return PlanHooks(options.fault_plan)
+    if options.hooks is not None and not isinstance(options.hooks, Hooks):
+        raise InvalidArgument(f"TcpOptions.hooks must be a tcp Hooks, not {type(options.hooks).__name__}")
+    return options.hooks

@@ -44,8 +44,8 @@ import time
 
 from ...errors import BackendUnavailable, ControlPlaneError, PeerError
 from ..base import BackendOptions, specific_options
+from ..options import TcpOptions
 from .guard import DataGuard
-from .options import TcpOptions
 from .pairstate import PairState
 from .responder import Responder
 from .wire import HELLO, HELLO_ACK, MAGIC, VERSION, HelloStatus, PeerGone, VendorErr, configure_data_socket

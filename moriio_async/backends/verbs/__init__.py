@@ -45,8 +45,8 @@ Design, in one place:
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import VerbsOptions
 from .facts import ProbeReport
-from .options import VerbsOptions
 
 __all__ = ["VerbsOptions", "open_backend", "probe"]
 

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from ...errors import BackendUnavailable, InvalidArgument
 from ...status import Access, WcStatus
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..options import VerbsOptions
 from . import memory
 from ._pyverbs import PYVERBS_VERSION, Context, PdHandle, has_channel_fd, list_devices
 from .cq import VerbsCompletionQueue
@@ -18,7 +19,6 @@ from .events import EVENT_NAMES, AsyncEventWatcher
 from .facts import GID_TYPE_NAMES, PORT_STATE_NAMES
 from .faults import VerbsFaultSeam
 from .gid import choose_gid
-from .options import VerbsOptions
 from .qp import QPS_ERR, QPS_SQE, PortConfig, VerbsQueuePair
 from .values import VerbsError
 
