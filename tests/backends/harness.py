@@ -55,7 +55,8 @@ def dead_peer_deadline(options: BackendOptions) -> float:
     TCP waits ``retry_timeout`` of silence; verbs retries ``retry_cnt`` times
     an ACK timeout of 4.096 us * 2**qp_timeout.
     """
-    verbs = 4.096e-6 * 2**options.qp_timeout * (options.retry_cnt + 1)
+    own = options.specific if isinstance(options.specific, VerbsOptions) else VerbsOptions()
+    verbs = 4.096e-6 * 2**own.qp_timeout * (own.retry_cnt + 1)
     return 2 * max(options.retry_timeout, verbs) + 5.0
 
 
