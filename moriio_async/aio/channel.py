@@ -8,6 +8,7 @@ failed; the channel and the transfers waiting in it stay.
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Callable
 
 import numpy as np
@@ -139,7 +140,9 @@ def _unsignaled(n: int) -> npt.NDArray[np.bool_]:
     return got  # type: ignore[return-value]
 
 
-class ChannelState:
+class ChannelState(enum.StrEnum):
+    """A channel's state (a ``str``: ``Session.statistics().state`` shows it as before)."""
+
     READY = "ready"
     FAILED = "failed"
     """The pair failed; waiting requests are kept until a new pair replaces it."""

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 from ..aio.router import TAG_SHIFT
 from ..backends import open_backend
-from ..backends.base import Backend, BackendOptions, CompletionQueue, Endpoint, QueuePair
-from ..descriptors import TransportDesc
+from ..backends.base import Backend, BackendOptions, CompletionQueue, Endpoint, QpState, QueuePair
+from ..descriptors import EngineDesc, TransportDesc
 from ..errors import BackendUnavailable
 from ..status import Opcode
 from ..work import WorkBatch
@@ -50,10 +50,10 @@ def open_backends(config: IOEngineConfig) -> list[Backend]:
     opened: list[Backend] = []
     try:
         for i, name in enumerate(names):
-            options = config.backend_options()
+            options = config.backend_options(name, tag=len(opened))
             if name == "cma" and i < len(names) - 1:
                 # The engine has a transport to fall back on: it says why, once, not the backend.
-                options = _with_extra(options, quiet_refusal=True)
+                options = replace(options, specific=replace(config.cma, quiet_refusal=True))
             try:
                 opened.append(open_backend(name, options))
             except (BackendUnavailable, OSError) as exc:  # OSError: a socket or memfd the host refuses
@@ -67,10 +67,6 @@ def open_backends(config: IOEngineConfig) -> list[Backend]:
             backend.close()
         raise
     return opened
-
-
-def _with_extra(options: BackendOptions, **extra: object) -> BackendOptions:
-    return replace(options, extra={**options.extra, **extra})
 
 
 @dataclass(eq=False, slots=True)
@@ -96,7 +92,7 @@ class TaggedQp(QueuePair):
         self.max_sge = inner.max_sge
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self.inner.state
 
     def endpoint(self) -> Endpoint:

@@ -14,12 +14,12 @@ import os
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ...errors import InvalidArgument
 from ...status import WcStatus
 from ...work import WorkBatch
 from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
+from ..options import CmaOptions
 from ..softcq import SoftCompletionQueue
 from ..softpair import check_shape
 from .initiator import TargetLink, dial
@@ -29,24 +29,12 @@ from .regions import LocalTable
 from .target import Connection, TargetPort
 from .worker import Executor, work_loop
 
-__all__ = ["MAX_SEND_WR", "MAX_SGE", "CmaQueuePair", "Tuning"]
+__all__ = ["MAX_SEND_WR", "MAX_SGE", "CmaQueuePair"]
 
 log = logging.getLogger("moriio_async.cma")
 
 MAX_SEND_WR = 1 << 16
 MAX_SGE = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Tuning:
-    """How a queue pair moves bytes (``backend_extra`` keys of the same names)."""
-
-    round_bytes: int = 16 << 20
-    """Bytes moved per window under the copy lock (a chunk of requests, or a piece of a huge one)."""
-    threads: int = 1
-    """Threads one window is split over (1: the worker alone)."""
-    split_bytes: int = 1 << 20
-    """Windows smaller than this are not split."""
 
 
 class CmaQueuePair(QueuePair):
@@ -57,7 +45,7 @@ class CmaQueuePair(QueuePair):
         local: LocalTable,
         port: TargetPort,
         options: BackendOptions,
-        tuning: Tuning,
+        tuning: CmaOptions,
         on_close: Callable[[CmaQueuePair], None],
     ) -> None:
         self.qp_num = qp_num
@@ -81,7 +69,7 @@ class CmaQueuePair(QueuePair):
     # -- the contract -----------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self.pair_state.state
 
     def endpoint(self) -> Endpoint:

@@ -89,7 +89,7 @@ class TcpQueuePair(QueuePair):
     # -- the contract -----------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self.pair_state.state
 
     def bind_session(self, session_key: bytes | None, *, answering: bool) -> None:
