@@ -31,8 +31,8 @@ from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
 from .memory import LocalRegion
-from .transports import Transport
 from .statistics import SessionStatistics
+from .transports import Transport
 from .uids import TransferUids
 
 __all__ = ["Session"]

@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 from ..aio.router import TAG_SHIFT
 from ..backends import open_backend
-from ..backends.base import Backend, BackendOptions, CompletionQueue, Endpoint, QpState, QueuePair
-from ..descriptors import EngineDesc, TransportDesc
+from ..backends.base import Backend, CompletionQueue, Endpoint, QpState, QueuePair
+from ..descriptors import TransportDesc
 from ..errors import BackendUnavailable
 from ..work import WorkBatch
 from .config import IOEngineConfig

@@ -11,8 +11,8 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState, SendQueueFull
-from moriio_async.backends.mock.fabric import MockFabric
 from moriio_async.backends.mock import MockOptions
+from moriio_async.backends.mock.fabric import MockFabric
 from moriio_async.errors import InvalidArgument, PeerError
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkRequest
