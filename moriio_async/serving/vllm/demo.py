@@ -192,6 +192,10 @@ class VllmDemo:
         else:
             await self.fleet.restart(prefill)
         kill.restarted_after = time.perf_counter() - kill.killed_at
+        # The proxy leaves a prefill server out for transfer_timeout after its last failed attempt (so no request
+        # waits twice on a server that is down); a stopped server's attempts fail until about then. Clients that
+        # come sooner get a 503 at once; the wave comes once that window is over.
+        await asyncio.sleep(self.args.transfer_timeout)
         wave = await self.load(url, prompts[:4], 1)
         report.results += wave
         kill.served_after_restart = sum(1 for r in wave if r.ok)
