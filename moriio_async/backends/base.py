@@ -70,6 +70,8 @@ from ..status import Access
 from ..work import WorkBatch, WorkCompletion, WorkRequest
 
 __all__ = [
+    "QP_MASK",
+    "TAG_SHIFT",
     "Backend",
     "BackendOptions",
     "CompletionQueue",
@@ -78,6 +80,12 @@ __all__ = [
     "QueuePair",
     "SendQueueFull",
 ]
+
+TAG_SHIFT = 24
+"""A queue-pair number's bits above these say which of an engine's backends the pair is on
+(``BackendOptions.qp_tag``); the engine's completion router keeps one table per backend."""
+QP_MASK = (1 << TAG_SHIFT) - 1
+"""The bits of a queue-pair number that a backend counts in."""
 
 Endpoint = Mapping[str, Any]
 """What one side of a queue pair tells the other to connect (JSON-serialisable)."""
@@ -124,6 +132,9 @@ class BackendOptions:
     """TCP: unknown tokens and refused remote accesses one source may cause within ``failure_lockout``
     before each of its data connections waits a quarter of the hello deadline, for ``failure_lockout`` seconds."""
     failure_lockout: float = 30.0
+    qp_tag: int = 0
+    """The backend's place among its engine's (0: the first): its pairs are numbered
+    ``qp_tag << TAG_SHIFT | n``, so no two backends of one engine hand out the same number."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 

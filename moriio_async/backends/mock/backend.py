@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
-from ..softcq import SoftCompletionQueue
+from ..soft.cq import SoftCompletionQueue
 from .fabric import MockFabric
 from .memory import MemoryTable
 from .qp import MockQueuePair

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import InvalidArgument
-from ..status import Opcode, WcStatus
-from ..work import WorkBatch, WorkCompletion
+from ...errors import InvalidArgument
+from ...status import Opcode, WcStatus
+from ...work import WorkBatch, WorkCompletion
 
 __all__ = ["Completions", "check_shape", "fold_successes"]
 
