@@ -30,6 +30,7 @@ from ..base import BackendOptions, MemoryRegion
 from ..soft.backend import SoftBackend
 from ..soft.cq import SoftCompletionQueue
 from .kernel import yama_scope
+from .pairstate import PairState
 from .permissions import PtracerPolicy, has_cap_sys_ptrace
 from .qp import CmaQueuePair, Tuning
 from .regions import LocalTable, table_flags
@@ -130,7 +131,7 @@ class CmaBackend(SoftBackend[CmaQueuePair]):
                 pass
 
     def _new_qp(self, qp_num: int, cq: SoftCompletionQueue) -> CmaQueuePair:
-        return CmaQueuePair(qp_num, cq, self.local, self.port, self.options, self.tuning, self._forget)
+        return CmaQueuePair(PairState(qp_num, cq), self.local, self.port, self.options, self.tuning, self._forget)
 
     def scope(self) -> str:
         """This host and the namespaces a peer must share: the boot id, the pid namespace (the pid in an

@@ -9,16 +9,12 @@ port's thread for its connection hands out memfds and collects acks.
 
 from __future__ import annotations
 
-import logging
 import os
-import secrets
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...errors import InvalidArgument
 from ..base import BackendOptions, Endpoint, QpState
-from ..soft.cq import SoftCompletionQueue
-from ..soft.qp import MAX_SEND_WR, MAX_SGE, SoftQueuePair
+from ..soft.qp import MAX_SEND_WR, MAX_SGE, OnClose, SoftQueuePair
 from .initiator import TargetLink, dial
 from .iov import Mover
 from .pairstate import PairState
@@ -42,21 +38,20 @@ class Tuning:
 
 
 class CmaQueuePair(SoftQueuePair[PairState]):
+    """A cma pair over ``pair_state``: dials the target port of its peer's backend, or waits on ``port``."""
+
     backend = "cma"
-    log = logging.getLogger("moriio_async.cma")
 
     def __init__(
         self,
-        qp_num: int,
-        cq: SoftCompletionQueue,
+        pair_state: PairState,
         local: LocalTable,
         port: TargetPort,
         options: BackendOptions,
         tuning: Tuning,
-        on_close: Callable[[CmaQueuePair], None],
+        on_close: OnClose,
     ) -> None:
-        super().__init__(PairState(qp_num, cq), options, on_close)
-        self.token = secrets.token_bytes(16)
+        super().__init__(pair_state, options, on_close)
         self.link: TargetLink | None = None
         """The active side's connected target."""
         self._local = local
@@ -79,18 +74,10 @@ class CmaQueuePair(SoftQueuePair[PairState]):
             "accepting": self._passive,
         }
 
-    def connect(self, remote: Endpoint) -> None:
-        if remote.get("backend") != "cma":
-            raise InvalidArgument(f"not a cma queue-pair endpoint: {dict(remote)!r}")
-        st = self.pair_state
-        with st.lock:
-            self._check_connectable_locked()
-            if not remote.get("accepting"):
-                # Passive side: the active pair will dial our backend with our token. No I/O here.
-                self._passive = True
-                st.ready_locked()
-                self._port.expect(self.token, self)
-                return
+    def _expect_dial_locked(self, remote: Endpoint) -> None:
+        self._port.expected.expect(self.token, self)  # the active pair dials our backend with our token
+
+    def _dial(self, remote: Endpoint) -> None:
         try:
             token = bytes.fromhex(str(remote["token"]))
             if len(token) != 16:
@@ -98,6 +85,7 @@ class CmaQueuePair(SoftQueuePair[PairState]):
         except (KeyError, ValueError, TypeError) as exc:
             raise InvalidArgument(f"malformed cma endpoint {dict(remote)!r}: {exc}") from exc
         link = dial(dict(remote), self.qp_num, token, self._options)
+        st = self.pair_state
         with st.lock:
             self._check_still_connectable_locked(link.close)
             self.link = link
@@ -109,7 +97,7 @@ class CmaQueuePair(SoftQueuePair[PairState]):
 
     def _shut(self) -> None:
         conn, link = self._conn, self.link
-        self._port.forget(self.token)
+        self._port.expected.forget(self.token)
         if conn is not None:
             conn.shutdown()  # the initiator sees the end: its requests fail RETRY_EXC_ERR
         if link is not None:

@@ -10,6 +10,7 @@ pair fails GENERAL_ERR), never a thread exception nobody sees.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
@@ -17,16 +18,19 @@ from typing import Any, ClassVar, Generic, TypeVar
 from ...errors import InvalidArgument
 from ...status import WcStatus
 from ...work import WorkBatch
-from ..base import BackendOptions, QpState, QueuePair, SendQueueFull
+from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
 from .pair import check_shape
 from .state import SoftPairState
 
-__all__ = ["MAX_SEND_WR", "MAX_SGE", "SoftQueuePair"]
+__all__ = ["MAX_SEND_WR", "MAX_SGE", "OnClose", "SoftQueuePair"]
 
 MAX_SEND_WR = 1 << 16
 MAX_SGE = 256
 
 _POSTABLE = (QpState.RTS, QpState.ERR)
+
+OnClose = Callable[[Any], None]
+"""What a pair calls once it is closed, with itself: its backend's ``_forget``."""
 
 P = TypeVar("P", bound=SoftPairState)  # type: ignore[type-arg]
 
@@ -35,10 +39,9 @@ class SoftQueuePair(QueuePair, Generic[P]):
     """One software queue pair over its locked state ``pair_state``."""
 
     backend: ClassVar[str]
-    """The backend's name, in messages and thread names."""
-    log: ClassVar[logging.Logger]
+    """The backend's name, in messages, thread names and its logger's name."""
 
-    def __init__(self, pair_state: P, options: BackendOptions, on_close: Callable[[Any], None]) -> None:
+    def __init__(self, pair_state: P, options: BackendOptions, on_close: OnClose) -> None:
         self.qp_num = pair_state.qp_num
         self.max_send_wr = max(1, min(options.sq_depth, MAX_SEND_WR))
         self.max_sge = max(1, min(options.max_sge, MAX_SGE))
@@ -48,6 +51,9 @@ class SoftQueuePair(QueuePair, Generic[P]):
         self._on_close = on_close
         self._passive = False
         self._threads: list[threading.Thread] = []
+        self.token = secrets.token_bytes(16)
+        """The single-use token the passive side expects its peer's dial to present (random; tcp
+        derives it instead once a session key is bound)."""
 
     @property
     def state(self) -> str:
@@ -55,10 +61,38 @@ class SoftQueuePair(QueuePair, Generic[P]):
 
     # -- connecting -------------------------------------------------------------------
 
-    def _check_connectable_locked(self) -> None:
+    def connect(self, remote: Endpoint) -> None:
+        """An endpoint that is not ``accepting`` makes this the passive side: it waits for the
+        peer's dial (no I/O here). Otherwise this side dials it (``_dial``, without the lock)."""
+        if remote.get("backend") != self.backend:
+            raise InvalidArgument(f"not a {self.backend} queue-pair endpoint: {self._shown(remote)}")
         st = self.pair_state
-        if st.closed or st.state != QpState.INIT:
-            raise InvalidArgument(f"connect needs a queue pair in INIT (qp {self.qp_num} is {st.state})")
+        with st.lock:
+            if st.closed or st.state != QpState.INIT:
+                raise InvalidArgument(f"connect needs a queue pair in INIT (qp {self.qp_num} is {st.state})")
+            if not remote.get("accepting"):
+                self._expect_dial_locked(remote)
+                self._passive = True
+                st.ready_locked()
+                return
+            self._before_dial_locked(remote)
+        self._dial(remote)
+
+    def _shown(self, remote: Endpoint) -> str:
+        """An endpoint for an error message."""
+        return repr(dict(remote))
+
+    def _expect_dial_locked(self, remote: Endpoint) -> None:
+        """Passive side: make the peer's dial find this pair (by its token)."""
+        raise NotImplementedError
+
+    def _before_dial_locked(self, remote: Endpoint) -> None:
+        """Active side, under the lock before the dial: what may refuse it, or must be kept."""
+
+    def _dial(self, remote: Endpoint) -> None:
+        """Active side: dial ``remote``, then (under the lock) ``_check_still_connectable_locked``
+        and start the NIC threads."""
+        raise NotImplementedError
 
     def _check_still_connectable_locked(self, undo: Callable[[], None]) -> None:
         """After the dial, under the lock again: raise (after ``undo``) if the pair was closed meanwhile."""
@@ -135,5 +169,6 @@ class SoftQueuePair(QueuePair, Generic[P]):
         try:
             loop()
         except BaseException:
-            self.log.exception("%s qp %d: NIC thread failed", self.backend, self.qp_num)
+            log = logging.getLogger(f"moriio_async.{self.backend}")
+            log.exception("%s qp %d: NIC thread failed", self.backend, self.qp_num)
             self.pair_state.fail(WcStatus.GENERAL_ERR, 0)

@@ -32,6 +32,7 @@ from .faults import hooks_from
 from .guard import DataGuard
 from .hooks import Hooks
 from .listener import Listener
+from .pairstate import PairState
 from .qp import TcpQueuePair
 from .regions import RegionTable
 from .wire import VERSION
@@ -79,7 +80,8 @@ class TcpBackend(SoftBackend[TcpQueuePair]):
         self.guard.listener = listener
 
     def _new_qp(self, qp_num: int, cq: SoftCompletionQueue) -> TcpQueuePair:
-        return TcpQueuePair(qp_num, cq, self.regions, self.listener, self.options, self.hooks, self._forget)
+        st = PairState(qp_num, cq, self.regions, self.hooks, self.options.retry_timeout)
+        return TcpQueuePair(st, self.listener, self.options, self._forget)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -19,7 +19,6 @@ asks it to (``accepting``), its ``connect`` refuses.
 from __future__ import annotations
 
 import functools
-import logging
 import secrets
 import socket
 from collections.abc import Callable
@@ -29,14 +28,12 @@ from ...errors import InvalidArgument
 from ...status import Opcode
 from ...work import WorkBatch
 from ..base import BackendOptions, Endpoint, QpState
-from ..soft.cq import SoftCompletionQueue
 from ..soft.pair import check_shape
 from ..soft.qp import MAX_SEND_WR, MAX_SGE, SoftQueuePair
 from .hooks import Hooks
 from .listener import Listener, dial
 from .pairstate import PairState
 from .receiver import recv_loop
-from .regions import RegionTable
 from .sender import INLINE_BYTES, ring, ring_locked, ring_one_locked, send_loop
 
 __all__ = ["MAX_SEND_WR", "MAX_SGE", "TcpQueuePair"]
@@ -45,20 +42,19 @@ _WRITE = int(Opcode.RDMA_WRITE)
 
 
 class TcpQueuePair(SoftQueuePair[PairState]):
+    """A tcp pair over ``pair_state`` (its regions and hooks in it): dials, or is dialled through
+    ``listener``, with a token that is random or derived from the control link's session key."""
+
     backend = "tcp"
-    log = logging.getLogger("moriio_async.tcp")
 
     def __init__(
         self,
-        qp_num: int,
-        cq: SoftCompletionQueue,
-        regions: RegionTable,
+        pair_state: PairState,
         listener: Listener,
         options: BackendOptions,
-        hooks: Hooks | None,
         on_close: Callable[[TcpQueuePair], None],
     ) -> None:
-        super().__init__(PairState(qp_num, cq, regions, hooks, options.retry_timeout), options, on_close)
+        super().__init__(pair_state, options, on_close)
         self.token = secrets.token_bytes(16)
         """What the active side presents in its hello: random here; derived once a session key is bound."""
         self.nonce = secrets.token_bytes(16)
@@ -102,31 +98,29 @@ class TcpQueuePair(SoftQueuePair[PairState]):
         assert self._session_key is not None
         return token_for(self._session_key, f"tcp-data/{passive_qp}/{active_qp}/{nonce.hex()}", 0)
 
-    def connect(self, remote: Endpoint) -> None:
-        if remote.get("backend") != "tcp":
-            raise InvalidArgument(f"not a tcp queue-pair endpoint: {_shown(remote)}")
-        st = self.pair_state
-        with st.lock:
-            self._check_connectable_locked()
-            if not remote.get("accepting"):
-                # Passive side: the active pair will dial us with the token (derived, or ours).
-                if self._session_key is not None:
-                    try:
-                        active_qp = int(remote["qp_num"])
-                    except (KeyError, ValueError, TypeError) as exc:
-                        raise InvalidArgument(f"malformed tcp endpoint {_shown(remote)}: {exc!r}") from exc
-                    self.token = self._derive(self.qp_num, active_qp, self.nonce)
-                self.remote = dict(remote)
-                self._passive = True
-                st.ready_locked()
-                self._listener.expect(self.token, st)
-                return
-            if self._answering:
-                # The contract (backends/base.py): an answering pair never dials, whatever it is told.
-                raise InvalidArgument(
-                    f"qp {self.qp_num} answers a peer's session and never dials; the endpoint asked it to"
-                )
-            self.remote = dict(remote)
+    def _shown(self, remote: Endpoint) -> str:
+        return _shown(remote)
+
+    def _expect_dial_locked(self, remote: Endpoint) -> None:
+        # The active pair will dial us with the token (derived, or ours).
+        if self._session_key is not None:
+            try:
+                active_qp = int(remote["qp_num"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise InvalidArgument(f"malformed tcp endpoint {_shown(remote)}: {exc!r}") from exc
+            self.token = self._derive(self.qp_num, active_qp, self.nonce)
+        self.remote = dict(remote)
+        self._listener.expected.expect(self.token, self.pair_state)
+
+    def _before_dial_locked(self, remote: Endpoint) -> None:
+        if self._answering:
+            # The contract (backends/base.py): an answering pair never dials, whatever it is told.
+            raise InvalidArgument(
+                f"qp {self.qp_num} answers a peer's session and never dials; the endpoint asked it to"
+            )
+        self.remote = dict(remote)
+
+    def _dial(self, remote: Endpoint) -> None:
         assert not self._answering
         try:
             host, port, peer_qp = str(remote["host"]), int(remote["port"]), int(remote["qp_num"])
@@ -140,6 +134,7 @@ class TcpQueuePair(SoftQueuePair[PairState]):
                 hint="both engines must run with the same shared secret setting and moriio_async version",
             ) from exc
         sock = dial(host, port, token, self.qp_num, self._options)
+        st = self.pair_state
         with st.lock:
             self._check_still_connectable_locked(sock.close)
             st.connected_locked(sock)
@@ -190,7 +185,7 @@ class TcpQueuePair(SoftQueuePair[PairState]):
 
     def _shut(self) -> None:
         st = self.pair_state
-        self._listener.forget(self.token)
+        self._listener.expected.forget(self.token)
         if st.responder is not None:
             # Not joined: close may run on the event loop, and the responder's thread ends on its own
             # once its socket is shut (the listener keeps it, and the backend's close joins it).
