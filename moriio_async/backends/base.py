@@ -134,7 +134,9 @@ class BackendOptions:
     failure_lockout: float = 30.0
     qp_tag: int = 0
     """The backend's place among its engine's (0: the first): its pairs are numbered
-    ``qp_tag << TAG_SHIFT | n``, so no two backends of one engine hand out the same number."""
+    ``qp_tag << TAG_SHIFT | n``, so no two backends of one engine hand out the same number. Their
+    completions carry at least the low ``TAG_SHIFT`` bits (verbs: the device's number; the
+    software NICs: the whole one), which is what the engine's router looks them up by."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
