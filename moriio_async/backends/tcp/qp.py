@@ -29,7 +29,7 @@ from ...status import Opcode
 from ...work import WorkBatch
 from ..base import BackendOptions, Endpoint, QpState
 from ..soft.pair import check_shape
-from ..soft.qp import MAX_SEND_WR, MAX_SGE, SoftQueuePair
+from ..soft.qp import MAX_SEND_WR, MAX_SGE, OnClose, SoftQueuePair
 from .hooks import Hooks
 from .listener import Listener, dial
 from .pairstate import PairState
@@ -47,16 +47,8 @@ class TcpQueuePair(SoftQueuePair[PairState]):
 
     backend = "tcp"
 
-    def __init__(
-        self,
-        pair_state: PairState,
-        listener: Listener,
-        options: BackendOptions,
-        on_close: Callable[[TcpQueuePair], None],
-    ) -> None:
+    def __init__(self, pair_state: PairState, listener: Listener, options: BackendOptions, on_close: OnClose) -> None:
         super().__init__(pair_state, options, on_close)
-        self.token = secrets.token_bytes(16)
-        """What the active side presents in its hello: random here; derived once a session key is bound."""
         self.nonce = secrets.token_bytes(16)
         self.remote: dict[str, object] = {}
         self._listener = listener
