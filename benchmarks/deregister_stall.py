@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' ha
 
 from moriio_async import IOEngine, IOEngineConfig
 from tests.backends import datawire as dw
-from tests.engine.wire import hello, read_message
+from tests.control.wire import hello, read_message
 
 
 async def one_round(engine: IOEngine, every: float) -> tuple[float, float, bool]:

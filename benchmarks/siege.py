@@ -32,8 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
+from tests.control.wire import hello
 from tests.engine.siege import Siege, open_files
-from tests.engine.wire import hello
 
 SECRET = "a-secret-for-the-siege-benchmark"
 

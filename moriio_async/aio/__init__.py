@@ -1,1 +1,1 @@
-"""The asyncio layer: completion readers, transfers, the deadline wait, queue-pair channels, control streams."""
+"""The asyncio layer: completion readers, transfers, the deadline wait, queue-pair channels (the data path)."""

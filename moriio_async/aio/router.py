@@ -129,7 +129,7 @@ class CompletionRouter:
         touched: list[QpChannel] = []
         last: QpChannel | None = None
         for wc in wcs:
-            channel = channels.get(wc.qp_num)
+            channel = channels.get(wc.qp_num & QP_MASK)  # low bits: verbs completes under the device's number
             if channel is not None:
                 channel.account(wc)
                 if channel is not last:

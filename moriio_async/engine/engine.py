@@ -25,16 +25,16 @@ from typing import Any, final
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
 from ..backends.base import Backend
+from ..control.book import PeerInfo
+from ..control.guard import Guard
+from ..control.handshake import Handshake
+from ..control.inbound import InboundStatuses
+from ..control.inbox import Inbox, Notification
 from ..core.protocol import MAX_KEY
 from ..descriptors import EngineDesc, MemoryDesc, new_incarnation
 from ..errors import EngineClosed, InvalidArgument
 from ..status import Access, StatusCode
-from .book import PeerInfo
 from .config import IOEngineConfig
-from .guard import Guard
-from .handshake import Handshake
-from .inbound import InboundStatuses
-from .inbox import Inbox, Notification
 from .memory import LocalRegion, MemoryRegistry
 from .running import Running, log_trust
 from .session import Session

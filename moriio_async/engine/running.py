@@ -15,16 +15,16 @@ from typing import final
 
 from ..aio.router import TAG_SHIFT, CompletionRouter
 from ..backends.base import Backend
+from ..control.guard import Guard
+from ..control.handshake import Handshake
+from ..control.inbound import InboundStatuses
+from ..control.inbox import Inbox
+from ..control.links import LinkLimits
+from ..control.peers import PeerTable
 from ..core.auth import SECRET_ENV
 from .config import IOEngineConfig
-from .guard import Guard
-from .handshake import Handshake
-from .inbound import InboundStatuses
-from .inbox import Inbox
-from .links import LinkLimits
 from .memory import MemoryRegistry
-from .peers import PeerTable
-from .transports import Transports
+from .transports import Transport, Transports
 
 __all__ = ["Running", "log_trust"]
 
@@ -37,7 +37,7 @@ class Running:
 
     __slots__ = ("backend", "backends", "peers", "router", "stopped", "transports")
 
-    def __init__(self, transports: Transports, router: CompletionRouter, peers: PeerTable) -> None:
+    def __init__(self, transports: Transports, router: CompletionRouter, peers: PeerTable[Transport]) -> None:
         self.transports = transports
         self.backend = transports.primary.backend
         """The first (preferred) backend: the one for ``allocate_memory`` and ``describe_backend``."""

@@ -25,12 +25,13 @@ from ..aio.channel import ChannelState, Job, QpChannel
 from ..aio.router import CompletionRouter
 from ..aio.transfer import Transfer
 from ..backends.base import QueuePair
+from ..control.peers import PeerTable
 from ..core.plan import check_arrays, check_block, plan
 from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
 from .memory import LocalRegion
-from .peers import PeerTable
+from .transports import Transport
 from .uids import TransferUids
 
 __all__ = ["Session"]
@@ -55,7 +56,7 @@ class Session:
         qp: QueuePair,
         *,
         router: CompletionRouter,
-        peers: PeerTable,
+        peers: PeerTable[Transport],
         uids: TransferUids,
         sessions: set[Session],
         max_wr_bytes: int,

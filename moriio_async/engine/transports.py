@@ -1,4 +1,4 @@
-"""The backends one engine has open, best first, and which of them each peer's sessions use.
+"""The backends one engine has open, best first (which of them each peer's sessions use: ``control/choices``).
 
 ``backend="auto"`` opens cma (peers on this host), then verbs (when a device
 works), then tcp, skipping any this host cannot open; ``backends=(...)``
@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ..backends import open_backend
 from ..backends.base import TAG_SHIFT, Backend, BackendOptions, CompletionQueue, QueuePair
-from ..descriptors import EngineDesc, TransportDesc
+from ..descriptors import TransportDesc
 from ..errors import BackendUnavailable
 from .config import IOEngineConfig
 
-__all__ = ["PeerChoices", "Transport", "Transports", "open_backends"]
+__all__ = ["Transport", "Transports", "open_backends"]
 
 log = logging.getLogger("moriio_async")
 
@@ -139,82 +139,3 @@ class Transports:
     def close_queues(self) -> None:
         for t in self._list:
             t.cq.close()
-
-
-@dataclass(slots=True)
-class _Choice:
-    incarnation: int
-    refused: set[str] = field(default_factory=set)
-    chosen: str | None = None
-    answered: str | None = None
-    """The transport of the last pair the peer opened to this engine (its sessions' choice)."""
-
-
-class PeerChoices:
-    """Which transport each peer's sessions use: the best both ends share, less those the kernel refused."""
-
-    def __init__(self, key: str, transports: Transports, *, capacity: int) -> None:
-        self._key = key
-        self._transports = transports
-        self._capacity = capacity
-        self._choices: dict[str, _Choice] = {}
-
-    def _entry(self, peer: EngineDesc) -> _Choice:
-        entry = self._choices.get(peer.key)
-        if entry is None or entry.incarnation != peer.incarnation:
-            entry = self._choices[peer.key] = _Choice(peer.incarnation)
-            while len(self._choices) > self._capacity:
-                del self._choices[next(iter(self._choices))]  # the oldest: it chooses again if it comes back
-        return entry
-
-    def _pick(self, peer: EngineDesc, entry: _Choice) -> Transport | None:
-        # An older peer advertises no transports: its one backend, with no scope (so never cma).
-        offered = {t.name: t.scope for t in peer.transports} or {peer.backend: ""}
-        for t in self._transports:
-            if t.name not in entry.refused and offered.get(t.name) == t.backend.scope():
-                return t
-        return None
-
-    def choose(self, peer: EngineDesc) -> Transport:
-        """The transport for new sessions to ``peer`` (logged at INFO the first time for each incarnation)."""
-        entry = self._entry(peer)
-        t = self._pick(peer, entry)
-        if t is None:
-            raise BackendUnavailable(
-                f"engine {self._key!r} shares no transport with {peer.key!r}: this engine has "
-                f"{list(self._transports.names)} (refused: {sorted(entry.refused) or 'none'}), "
-                f"it has {list(peer.transport_names())}",
-                hint="give both engines a backend in common (backend='auto' opens every one this host has)",
-            )
-        if entry.chosen != t.name:
-            entry.chosen = t.name
-            why = " (same host)" if t.name == "cma" else ""
-            log.info("engine %s: sessions to %s use %s%s", self._key, peer.key, t.name, why)
-        return t
-
-    def refuse(self, peer: EngineDesc, transport: Transport, why: BaseException) -> bool:
-        """``transport`` cannot reach ``peer`` (the kernel refused the probe): True if another may,
-        after the one WARNING line that says so."""
-        entry = self._entry(peer)
-        entry.refused.add(transport.name)
-        entry.chosen = None
-        nxt = self._pick(peer, entry)
-        if nxt is None:
-            return False
-        log.warning(
-            "engine %s: %s to %s is not permitted, falling back to %s: %s",
-            self._key, transport.name, peer.key, nxt.name, why,
-        )  # fmt: skip
-        return True
-
-    def chosen(self) -> dict[str, str]:
-        """Peer key -> the transport its sessions use (peers with a choice made)."""
-        return {key: c.chosen for key, c in self._choices.items() if c.chosen is not None}
-
-    def answered(self, peer: EngineDesc, transport: str) -> None:
-        """``peer`` opened a pair to this engine over ``transport`` (the target's side of its choice)."""
-        self._entry(peer).answered = transport
-
-    def answering(self) -> dict[str, str]:
-        """Peer key -> the transport of the pairs it opens to this engine (peers that opened any)."""
-        return {key: c.answered for key, c in self._choices.items() if c.answered is not None}

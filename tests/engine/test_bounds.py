@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from moriio_async import ControlPlaneError, IOEngine, IOEngineConfig, PeerError, waiting_for_transfer_complete
-from moriio_async.aio.listener import Listener
+from moriio_async.control.listener import Listener
 
+from ..control.watch import listening_fds, still_watched
+from ..control.wire import close, closed_by_peer, engine_fields, frame, hello, open_raw, read_message, until
 from .conftest import Pair, make_pair
-from .watch import listening_fds, still_watched
-from .wire import close, closed_by_peer, engine_fields, frame, hello, open_raw, read_message, until
 
 
 @pytest.fixture

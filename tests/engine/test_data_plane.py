@@ -21,7 +21,7 @@ from moriio_async import IOEngine, IOEngineConfig, TransferError, waiting_for_tr
 from moriio_async.core.auth import token_for
 
 from ..backends import datawire as dw
-from .wire import Hello, hello, read_message
+from ..control.wire import Hello, hello, read_message
 
 pytestmark = pytest.mark.timeout(60)
 

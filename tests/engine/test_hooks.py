@@ -8,10 +8,10 @@ import contextlib
 import pytest
 
 from moriio_async import EngineClosed, InvalidArgument, IOEngine, IOEngineConfig, StatusCode, TransferFailed, WcStatus
-from moriio_async.engine.inbound import InboundStatuses
+from moriio_async.control.inbound import InboundStatuses
 from moriio_async.engine.uids import TransferUids
 
-from . import wire
+from ..control import wire
 from .conftest import Pair, make_pair
 
 

@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from moriio_async import StatusCode
-from moriio_async.engine.inbound import ENTRY_BYTES, PEER_BYTES, InboundStatuses
+from moriio_async.control.inbound import ENTRY_BYTES, PEER_BYTES, InboundStatuses
 
 from .conftest import make_pair
 from .test_hooks import settled

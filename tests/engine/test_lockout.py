@@ -19,8 +19,8 @@ import pytest
 
 from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
 
+from ..control.wire import hello, until
 from .siege import Siege, open_files
-from .wire import hello, until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,7 +17,7 @@ import pytest
 
 from moriio_async import IOEngine, IOEngineConfig
 
-from .wire import close, closed_by_peer, frame, until
+from ..control.wire import close, closed_by_peer, frame, until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,8 +18,8 @@ from moriio_async import (
 )
 from moriio_async.descriptors import new_incarnation
 
+from ..control.wire import closed_by_peer, frame, hello, open_raw, read_message, until
 from .conftest import Pair, make_pair
-from .wire import closed_by_peer, frame, hello, open_raw, read_message, until
 
 SECRET = b"the-shared-secret-of-this-test-run"
 OTHER = b"another-secret-nobody-shares-here"

@@ -23,7 +23,7 @@ from moriio_async.core.protocol import decode
 from moriio_async.descriptors import EngineDesc, MemoryDesc, TransportDesc
 from moriio_async.errors import AuthenticationError, InvalidArgument
 
-from .wire import hello, read_message
+from ..control.wire import hello, read_message
 
 SIZE = 1 << 20
 SECRET = b"transports-are-covered-by-the-proof"

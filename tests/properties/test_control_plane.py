@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
 
-from ..engine.wire import hello
+from ..control.wire import hello
 from .conftest import backends, slow_examples
 from .model import engine_pair
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..engine.wire import ENV_SECRET, hello
+from ..control.wire import ENV_SECRET, hello
 from .fleet import MODEL, ServedFleet, reference, serve
 
 PROMPTS = ["Hello, world", "Disaggregated serving moves the KV cache", "é ü ß: UTF-8 prompts are bytes", "a" * 150]

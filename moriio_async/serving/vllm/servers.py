@@ -108,6 +108,9 @@ class ServerSpec:
             "kv_connector": "MoRIIOAsyncConnector",
             "kv_connector_module_path": "moriio_async.integrations.vllm",
             "kv_role": self.role,
+            # a decode server whose KV read fails (its prefill server died mid-read) computes the prompt itself,
+            # token-identical, instead of failing the request (vLLM's default, "fail")
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "read_mode": "true" if self.mode == "read" else "false",
                 "host_ip": "127.0.0.1",

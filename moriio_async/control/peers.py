@@ -1,4 +1,4 @@
-"""Peers and the control plane of one engine: the listener, the hello, and what peers ask.
+"""Peers and the control plane of one engine: the listener, the hello, what this engine asks its peers.
 
 Who is known, at which incarnation, is the peer book's (``book``). A peer
 may have several links (both sides dial, or it reconnects; see ``links``);
@@ -9,7 +9,7 @@ notifications, its statuses or its pairs; every notice speaks for its link's key
 
 A transfer given a uid announces its end to its target with a ``done``
 notice (``post_done``, never waiting: see ``DONE_BACKLOG``); the target files
-it (``inbound``).
+it (``inbound``). What peers ask is answered by ``answers``.
 """
 
 from __future__ import annotations
@@ -17,38 +17,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Generic
 
-from ..aio.control import ControlLink
-from ..aio.listener import Listener
 from ..backends.base import QueuePair
 from ..core.framing import FrameError
 from ..core.protocol import (
     CloseQp,
     Done,
     EngineRecord,
-    Exports,
-    Hello,
-    ListMemory,
-    Notice,
     Notify,
-    Proof,
     RegionRecord,
-    Reply,
-    Request,
     Welcome,
 )
 from ..descriptors import EngineDesc, MemoryDesc
 from ..errors import ControlPlaneError, EngineClosed, InvalidArgument, StalePeer
 from ..status import StatusCode
+from .answers import Answers
 from .book import Peer, PeerBook, PeerInfo, PeerStatistics
 from .guard import Guard
 from .handshake import Handshake, HelloRefused
 from .inbound import InboundStatuses
-from .inbox import Inbox, Notification
+from .inbox import Inbox
+from .link import ControlLink
 from .links import LinkLimits, LinkRegistry
-from .memory import MemoryRegistry
+from .listener import Listener
 from .pairs import PairBroker
-from .transports import Transport, Transports
+from .ports import ExportedMemory, T, TransportSet
 
 __all__ = ["DONE_BACKLOG", "PeerTable"]
 
@@ -63,16 +57,17 @@ LISTEN_BACKLOG = 2048
 """Connections the kernel queues for the control listener (clipped to ``net.core.somaxconn``)."""
 
 
-class PeerTable:
-    """Peers, their links and the control-plane protocol; a ``LinkHandler`` for every link."""
+class PeerTable(Generic[T]):
+    """Peers, their links and the control-plane protocol: what this engine asks of its peers, the hellos
+    it says and answers; what peers ask is ``Answers``'s."""
 
     def __init__(
         self,
         key: str,
         incarnation: int,
         *,
-        transports: Transports,
-        memory: MemoryRegistry,
+        transports: TransportSet[T],
+        memory: ExportedMemory,
         inbox: Inbox,
         inbound: InboundStatuses,
         limits: LinkLimits,
@@ -84,16 +79,18 @@ class PeerTable:
         self.incarnation = incarnation
         self._transports = transports
         self._memory = memory
-        self._inbox = inbox
         self._handshake = handshake
         self._guard = guard
-        self._inbound = inbound
         self._links = LinkRegistry(limits)
         self._pairs = PairBroker(key, incarnation, transports=transports, links=self._links, max_peers=max_peers)
         self._peers = PeerBook(
             self._links, inbound, busy=self._pairs.peer_keys, authenticates=handshake.authenticates,
             max_peers=max_peers,
         )  # fmt: skip
+        self._answers = Answers(
+            self._peers, self._links, self._pairs, exports=self._exports, inbox=inbox, inbound=inbound, guard=guard
+        )
+        """What peers ask: the handler of every link this table opens."""
         self.dropped_done = 0
         """``done`` notices not sent: no open link to their peer, or its link held ``DONE_BACKLOG`` unsent."""
         # A deep backlog: under a crowd, a real dialer waits its turn there instead of having its SYN dropped.
@@ -179,7 +176,7 @@ class PeerTable:
             )
         return await self._pairs.open(link, peer.desc, remote, transport)
 
-    def transport_of(self, qp: QueuePair) -> Transport:
+    def transport_of(self, qp: QueuePair) -> T:
         """The transport (backend) a pair ``open_qp`` gave runs on."""
         return self._transports.of(qp)
 
@@ -272,7 +269,7 @@ class PeerTable:
                 reader, writer = await asyncio.open_connection(host, port)
         except (OSError, TimeoutError) as exc:
             raise ControlPlaneError(f"cannot reach engine at {host}:{port}: {exc!r}") from exc
-        link = self._links.open(reader, writer, self, accepted=False)
+        link = self._links.open(reader, writer, self._answers, accepted=False)
         link.start()
         try:
             welcome, session_key = await self._handshake.dial(link, self.local)
@@ -306,7 +303,7 @@ class PeerTable:
             return
         peer = writer.get_extra_info("peername")
         talking = isinstance(peer, tuple) and self._listener.talking(f"{peer[0]}:{peer[1]}")
-        link = self._links.open(reader, writer, self, accepted=True, talking=talking)
+        link = self._links.open(reader, writer, self._answers, accepted=True, talking=talking)
         task = asyncio.get_running_loop().create_task(self._answer_hello(link))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
@@ -366,53 +363,6 @@ class PeerTable:
 
     def _exports(self) -> list[RegionRecord]:
         return [RegionRecord.of(d) for d in self._memory.exported()]
-
-    # -- LinkHandler: what peers ask -------------------------------------------------------------
-
-    async def on_request(self, link: ControlLink, request: Request) -> Reply:
-        if isinstance(request, Hello | Proof):
-            raise ControlPlaneError("hello was already said on this link")
-        self._peer_of(link)
-        if isinstance(request, ListMemory):
-            return Exports(memory=self._exports())
-        return await self._pairs.answer(link, request)
-
-    async def on_notice(self, link: ControlLink, notice: Notice) -> None:
-        try:
-            peer = self._peer_of(link)
-        except ControlPlaneError as exc:
-            self._guard.dropped_notice(link.peer_host, link.peer_address, type(notice).__name__, str(exc))
-            return
-        if isinstance(notice, Notify):
-            await self._inbox.put(Notification(peer.desc.key, notice.data))  # waits while the inbox is full
-        elif isinstance(notice, Done):
-            if not self._inbound.record(peer.desc.key, notice.uid, notice.code):
-                self._guard.dropped_notice(link.peer_host, link.peer_address, "Done", f"code {notice.code}")
-        elif not self._links.close_answering(link, notice.qp):
-            # Only a pair this link's engine asked for (over any of its links) is closed: a number of
-            # another engine's pair, or of none, closes nothing.
-            why = f"pair {notice.qp:#x} is not one engine {peer.desc.key!r} asked for (or it is closed already)"
-            self._guard.dropped_notice(link.peer_host, link.peer_address, "CloseQp", why)
-
-    def on_bad_frame(self, link: ControlLink, error: FrameError) -> None:
-        self._guard.bad_frame(link.peer_host, link.peer_address, error)
-
-    def on_link_closed(self, link: ControlLink) -> None:
-        desc = self._links.forget(link)
-        peer = self._peers.get(desc.key) if desc is not None else None
-        if peer is not None and peer.link is link:
-            # Another open link of the same peer carries on, if there is one; else the next request dials.
-            peer.link = self._links.another(peer.desc)
-        self._peers.prune()
-
-    def _peer_of(self, link: ControlLink) -> Peer:
-        desc = self._links.engine_of(link)
-        if desc is None:
-            raise ControlPlaneError("no hello on this link yet")
-        peer = self._peers.get(desc.key)
-        if peer is None or peer.desc.incarnation != desc.incarnation:
-            raise ControlPlaneError(f"engine {desc.key!r} said hello here as an incarnation since replaced")
-        return peer
 
     def statistics(self) -> PeerStatistics:
         return PeerStatistics(len(self._peers), len(self._links), self._links.answering, self._pairs.opened)

@@ -10,7 +10,7 @@ import gc
 import pytest
 
 from moriio_async import ControlPlaneError
-from moriio_async.aio.control import ControlLink
+from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import Exports, ListMemory, Notice, Notify, RegionRecord, Reply, Request, encode
 

@@ -17,11 +17,11 @@ from moriio_async import (
     StalePeer,
     waiting_for_transfer_complete,
 )
-from moriio_async.aio.control import ControlLink
+from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import Notice, Reply, Request
 
-from .conftest import Pair
+from ..engine.conftest import Pair
 from .wire import close, engine_fields, frame, hello, messages, open_raw, read_message, until
 
 

@@ -24,7 +24,7 @@ from moriio_async import AuthenticationError, ControlPlaneError, IOEngine, IOEng
 from moriio_async import waiting_for_transfer_complete as wait_all
 from moriio_async.core.auth import Transcript
 
-from .conftest import Pair, make_pair
+from ..engine.conftest import Pair, make_pair
 from .wire import b64, engine_fields, frame, hello, proven_transports, read_message, until
 
 SECRET = b"the-shared-secret-of-this-test-run"

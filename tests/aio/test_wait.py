@@ -19,7 +19,7 @@ from moriio_async.aio.transfer import Transfer
 from moriio_async.backends.mock import MockQueuePair
 from moriio_async.status import Opcode
 
-from .conftest import Pair, make_pair
+from ..engine.conftest import Pair, make_pair
 
 
 def nic(p: Pair) -> MockQueuePair:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from moriio_async.engine.guard import MAX_TRACKED_PEERS, Guard
+from moriio_async.control.guard import MAX_TRACKED_PEERS, Guard
 
 
 def test_lines_are_rate_limited_per_address_and_counters_are_exact(caplog: pytest.LogCaptureFixture) -> None:

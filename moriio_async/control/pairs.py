@@ -21,14 +21,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from dataclasses import dataclass
+from typing import Generic
 
-from ..aio.control import ControlLink
 from ..backends.base import Endpoint, QueuePair
 from ..core.protocol import CloseQp, ConnectQp, QpReady
 from ..descriptors import EngineDesc, MemoryDesc
 from ..errors import BackendUnavailable, ControlPlaneError, EngineClosed, StalePeer
+from .choices import PeerChoices
+from .link import ControlLink
 from .links import LinkRegistry, close_quietly
-from .transports import PeerChoices, Transport, Transports
+from .ports import T, TransportSet
 
 __all__ = ["ANSWER_WORKERS", "OPEN_WORKERS", "Opened", "PairBroker"]
 
@@ -52,10 +54,10 @@ class Opened:
     transport: str
 
 
-class PairBroker:
+class PairBroker(Generic[T]):
     """Opens session pairs over a link, answers peers' ``connect_qp``, and keeps the books of both."""
 
-    def __init__(self, key: str, incarnation: int, *, transports: Transports, links: LinkRegistry, max_peers: int):
+    def __init__(self, key: str, incarnation: int, *, transports: TransportSet[T], links: LinkRegistry, max_peers: int):
         self._key = key
         self._incarnation = incarnation
         self._transports = transports
@@ -93,9 +95,7 @@ class PairBroker:
                 if not self.choices.refuse(peer, chosen, exc):
                     raise
 
-    async def _open_on(
-        self, transport: Transport, link: ControlLink, peer: EngineDesc, remote: MemoryDesc
-    ) -> QueuePair:
+    async def _open_on(self, transport: T, link: ControlLink, peer: EngineDesc, remote: MemoryDesc) -> QueuePair:
         qp = self._transports.create_qp(transport)
         try:
             qp.bind_session(self._links.session_key_of(link), answering=False)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..aio.control import ControlLink
 from ..core.auth import NONCE_BYTES, SECRET_ENV, Transcript, new_nonce
 from ..core.protocol import Challenge, EngineRecord, Hello, Proof, Refused, Welcome, proven_transports
 from ..descriptors import EngineDesc
 from ..errors import AuthenticationError, ControlPlaneError
+from .link import ControlLink
 
 __all__ = ["Greeting", "Handshake", "HelloRefused"]
 

@@ -26,10 +26,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..aio.control import ControlLink
 from ..descriptors import EngineDesc, MemoryDesc
 from ..errors import StalePeer
 from .inbound import InboundStatuses
+from .link import ControlLink
 from .links import LinkRegistry
 
 __all__ = ["Peer", "PeerBook", "PeerInfo", "PeerStatistics"]

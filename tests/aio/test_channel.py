@@ -1,11 +1,14 @@
 """``aio.channel`` on its own, over a fake queue pair: the work requests a job posts (addresses, keys,
 numbering, signaling), backpressure, how completions settle transfers (the vendor error only on the
-named request), failure, flush, abort, replacement and the idle wait."""
+named request), failure, flush, abort, replacement and the idle wait; the batches a job hands out (a
+column per request field and per scatter field, each with one entry per request or entry, in the
+dtypes the backends read), and the read-only key arrays a session's single jobs share."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from typing import Any
 
 import numpy as np
@@ -398,3 +401,93 @@ async def test_a_jobs_columns_have_the_types_work_batch_declares() -> None:
         dtypes = [a.dtype for a in (b.opcode, b.remote_addr, b.rkey, b.length, b.sge_addr, b.sge_length, b.sge_lkey)]
         assert dtypes == [np.uint8, np.uint64, np.uint32, np.uint64, np.uint64, np.uint64, np.uint32]
         assert b.sge_start.dtype == np.int64
+
+
+# -- the columns of a job's batches: one entry per request, or per scatter entry, in the backends' dtypes ---
+
+
+REQUEST_COLUMNS = {"opcode": np.uint8, "remote_addr": np.uint64, "rkey": np.uint32, "length": np.uint64}
+ENTRY_COLUMNS = {"sge_addr": np.uint64, "sge_length": np.uint64, "sge_lkey": np.uint32}
+
+
+def check_columns(batch: WorkBatch, n: int, entries: int) -> None:
+    assert len(batch) == n
+    for name, dtype in REQUEST_COLUMNS.items():
+        column = getattr(batch, name)
+        assert (column.shape, column.dtype) == ((n,), dtype), name
+    assert batch.signaled.shape == (n,) and batch.signaled.dtype == np.dtype(np.bool_)
+    assert (batch.sge_start.shape, int(batch.sge_start[0]), int(batch.sge_start[-1])) == ((n + 1,), 0, entries)
+    for name, dtype in ENTRY_COLUMNS.items():
+        column = getattr(batch, name)
+        assert (column.shape, column.dtype) == ((entries,), dtype), name
+
+
+@pytest.mark.parametrize("opcode", [Opcode.RDMA_READ, Opcode.RDMA_WRITE])
+@pytest.mark.parametrize("cached", [False, True])
+async def test_a_single_jobs_batch_is_one_request_in_every_column(opcode: Opcode, cached: bool) -> None:
+    if cached:  # the second job under the same keys takes them from the cache
+        Job.single(transfer(), opcode, local_addr=1, lkey=11, remote_addr=2, rkey=12, size=3)
+    job = Job.single(transfer(), opcode, local_addr=1, lkey=11, remote_addr=2, rkey=12, size=3)
+    batch = job.chunk(0, 1, 5, np.array([True]))
+    check_columns(batch, 1, 1)
+    assert (batch.wr_id, int(batch.rkey[0]), int(batch.sge_lkey[0])) == (5, 12, 11)
+
+
+async def test_a_planned_jobs_chunks_are_well_formed() -> None:
+    plan = Plan(
+        np.array([0, 100, 200], dtype=np.int64),
+        np.array([10, 20, 5], dtype=np.int64),
+        np.array([0, 1, 3, 4], dtype=np.int64),
+        np.array([0, 50, 60, 90], dtype=np.int64),
+        np.array([10, 5, 15, 5], dtype=np.int64),
+    )
+    job = Job(transfer(), plan, Opcode.RDMA_WRITE, local_addr=1000, lkey=7, remote_addr=5000, rkey=9)
+    check_columns(job.chunk(1, 3, 8, np.array([False, True])), 2, 3)
+    check_columns(job.chunk(0, 1, 7, np.array([False])), 1, 1)
+    check_columns(job.chunk(0, 3, 1, np.array([False, False, True])), 3, 4)
+
+
+# -- what a session's single jobs share: one pair of read-only key arrays, made once ---------------------
+
+
+def keyed_batch(rkey: int, lkey: int, opcode: Opcode = Opcode.RDMA_WRITE) -> WorkBatch:
+    job = Job.single(transfer(), opcode, local_addr=64, lkey=lkey, remote_addr=128, rkey=rkey, size=8)
+    return job.chunk(0, 1, 1, np.array([True]))
+
+
+@pytest.mark.parametrize("opcode", [Opcode.RDMA_READ, Opcode.RDMA_WRITE])
+async def test_single_jobs_of_one_session_share_their_key_arrays(opcode: Opcode) -> None:
+    first, second = keyed_batch(40001, 40002, opcode), keyed_batch(40001, 40002, opcode)
+    assert np.shares_memory(first.rkey, second.rkey) and np.shares_memory(first.sge_lkey, second.sge_lkey)
+    assert (int(second.rkey[0]), int(second.sge_lkey[0])) == (40001, 40002)
+    other = keyed_batch(40003, 40002, opcode)  # another session's keys: arrays of their own
+    assert not np.shares_memory(first.rkey, other.rkey)
+    assert (int(other.rkey[0]), int(other.sge_lkey[0])) == (40003, 40002)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+async def test_a_single_jobs_shared_columns_are_read_only(cached: bool) -> None:
+    # Keys no other process used: a process forked from one that ran this test before (mutmut's
+    # workers are) must still make its own key arrays, not find the parent's in the cache.
+    rkey, lkey = 2 * os.getpid() + cached, 2**31 + os.getpid()
+    if cached:
+        keyed_batch(rkey, lkey)
+    b = keyed_batch(rkey, lkey)
+    for column in (b.rkey, b.sge_lkey, b.opcode, b.sge_start):
+        with pytest.raises(ValueError, match="read-only"):
+            column[0] = 3
+    assert (int(b.rkey[0]), int(b.sge_lkey[0]), int(b.opcode[0])) == (rkey, lkey, int(Opcode.RDMA_WRITE))
+    again = keyed_batch(rkey, lkey)
+    assert (int(again.rkey[0]), int(again.sge_lkey[0])) == (rkey, lkey)
+
+
+async def test_a_fresh_channel_has_posted_nothing() -> None:
+    ch = QpChannel(FakeQP())  # type: ignore[arg-type]
+    assert (ch.posted, ch.max_in_flight, ch.in_flight, ch.waiting, ch.idle, ch.state) == (
+        0,
+        0,
+        0,
+        0,
+        True,
+        ChannelState.READY,
+    )

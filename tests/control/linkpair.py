@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from moriio_async.aio.control import ControlLink
+from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import EngineRecord, Exports, Notice, Reply, Request, Welcome
 

@@ -40,9 +40,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..aio.control import ControlLink, LinkHandler
 from ..backends.base import QueuePair
 from ..descriptors import EngineDesc
+from .link import ControlLink, LinkHandler
 
 __all__ = ["LinkLimits", "LinkRegistry", "close_quietly", "same_engine"]
 
