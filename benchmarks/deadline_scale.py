@@ -23,11 +23,11 @@ import sys
 import numpy as np
 import uvloop
 
-from moriio_async import IOEngine, IOEngineConfig, TransferError, waiting_for_transfer_complete
+from moriio_async import IOEngine, IOEngineConfig, MockOptions, TransferError, waiting_for_transfer_complete
 
 
 async def rounds(n: int, count: int, timeout: float) -> list[float]:
-    cfg = IOEngineConfig(backend="mock", sq_depth=1 << 16, backend_extra={"hold": True})
+    cfg = IOEngineConfig(backend="mock", sq_depth=1 << 16, mock=MockOptions(hold=True))
     late = []
     async with IOEngine("a", cfg) as a, IOEngine("b", cfg) as b:
         b.register_memory(np.zeros(1 << 16, dtype=np.uint8), name="m")

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from moriio_async import IOEngine, IOEngineConfig, Session
+from moriio_async import CmaOptions, IOEngine, IOEngineConfig, Session
 
 REGION = 256 << 20
 CASES = [(64 << 10, 128), (1 << 20, 16), (16 << 20, 4)]
@@ -227,13 +227,13 @@ async def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]
         }
         engines: list[IOEngine] = []
         try:
-            columns: list[tuple[str, str, dict[str, Any]]] = [
-                ("cma", "cma", {}),
-                (f"cma x{args.threads}", "cma", {"threads": args.threads}),
-                ("tcp", "tcp", {}),
+            columns: list[tuple[str, str, CmaOptions]] = [
+                ("cma", "cma", CmaOptions()),
+                (f"cma x{args.threads}", "cma", CmaOptions(threads=args.threads)),
+                ("tcp", "tcp", CmaOptions()),
             ]
-            for label, backend, settings in columns:
-                cfg = IOEngineConfig(backend=backend, sq_depth=1024, backend_extra=settings)
+            for label, backend, cma in columns:
+                cfg = IOEngineConfig(backend=backend, sq_depth=1024, cma=cma)
                 engine = await IOEngine(f"bench-{label.replace(' ', '')}", cfg).start()
                 engines.append(engine)
                 desc = engine.register_memory(local)

@@ -55,7 +55,7 @@ async def rounds(port: str, secret: str, crowd: int, n: int) -> list[float]:
                 await waiting_for_transfer_complete([session.read(0, 0, 1 << 16)], timeout=60)
                 times.append(time.perf_counter() - start)
                 await session.close()
-            evicted = b.statistics()["evicted_hellos"] + b.statistics()["data_plane"].get("evicted_hellos", 0)
+            evicted = b.statistics().guard.evicted_hellos + b.statistics().data_plane.get("evicted_hellos", 0)
             print(f"    crowd reopened {siege.closed_by_target} sockets the target closed; evicted {evicted}")
         return times
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from moriio_async import IOEngine, IOEngineConfig, Session, Transfer
+from moriio_async import IOEngine, IOEngineConfig, Session, TcpOptions, Transfer
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.status import WcStatus
 
@@ -84,8 +84,8 @@ def rss_and_fds(pid: int | str = "self") -> tuple[int, int]:
 
 def _target(size: int, plan: str, secret: str, retry_timeout: float, pipe: Any) -> None:
     async def main() -> None:
-        extra = {"fault_plan": FaultPlan.loads(plan)} if plan else {}
-        cfg = IOEngineConfig(backend="tcp", secret=secret, retry_timeout=retry_timeout, backend_extra=extra)
+        own = TcpOptions(fault_plan=FaultPlan.loads(plan) if plan else None)
+        cfg = IOEngineConfig(backend="tcp", secret=secret, retry_timeout=retry_timeout, tcp=own)
         buf = np.full(size, 2, dtype=np.uint8)  # touched now: RSS at start already holds it
         async with IOEngine("soak-target", cfg) as engine:
             engine.register_memory(buf, name="kv")
@@ -101,7 +101,7 @@ def _target(size: int, plan: str, secret: str, retry_timeout: float, pipe: Any) 
             await done.wait()
             loop.remove_reader(pipe.fileno())
             stats = engine.statistics()
-            pipe.send({"statistics": {k: v for k, v in stats.items() if k != "reader"},
+            pipe.send({"statistics": stats.figures(),
                        "data_plane": engine.describe_backend().get("data_plane", {})})  # fmt: skip
 
     asyncio.run(main())
@@ -209,7 +209,7 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
     if args.hostile:
         hostile.start()
     cfg = IOEngineConfig(backend="tcp", secret=secret, retry_timeout=args.retry_timeout, transfer_timeout=30.0,
-                         backend_extra={"fault_plan": plan} if plan is not None else {})  # fmt: skip
+                         tcp=TcpOptions(fault_plan=plan))  # fmt: skip
     books = Books(args.transfers)
     local = np.ones(args.region, dtype=np.uint8)
     async with IOEngine("soak-initiator", cfg) as engine:
@@ -274,7 +274,7 @@ async def soak(args: argparse.Namespace, plan: FaultPlan | None) -> dict[str, An
         "rss_mb": {who: [round(start[who][0] / 2**20, 1), round(end[who][0] / 2**20, 1)] for who in start},
         "fds": {who: [start[who][1], end[who][1]] for who in start},
         "rss_mb_every_tenth": samples,
-        "initiator": {k: initiator_stats[k] for k in ("sessions", "links", "peers", "opened_qps")},
+        "initiator": {k: initiator_stats.figures()[k] for k in ("sessions", "links", "peers", "opened_qps")},
         "target": {k: target_report["statistics"][k] for k in ("links", "peers", "answering_qps", "rogue_hellos",
                                                                  "bad_frames", "auth_failures", "impersonations")},
         "target_data_plane": target_report["data_plane"],

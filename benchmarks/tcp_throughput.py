@@ -285,7 +285,7 @@ async def measure_once(args: argparse.Namespace, secret: str) -> dict[tuple[int,
         local = np.zeros(region, dtype=np.uint8)
         config = IOEngineConfig(backend=args.backend, sq_depth=256, secret=secret)
         async with IOEngine("bench", config) as engine:
-            assert engine.statistics()["authenticated"] == bool(secret)
+            assert engine.statistics().authenticated == bool(secret)
             desc = engine.register_memory(local, name="kv")
             peer = await engine.connect(address)  # the hello: authenticated when there is a secret
             hellos = []

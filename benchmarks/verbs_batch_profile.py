@@ -30,7 +30,7 @@ import verbs_vs_perftest as bench
 async def run(args: argparse.Namespace, prof: cProfile.Profile) -> None:
     import numpy as np
 
-    from moriio_async import IOEngine, IOEngineConfig
+    from moriio_async import IOEngine, IOEngineConfig, VerbsOptions
 
     region = 2 * args.blocks * args.size
     ctx = mp.get_context("spawn")
@@ -40,7 +40,9 @@ async def run(args: argparse.Namespace, prof: cProfile.Profile) -> None:
     try:
         address = parent.recv()
         local = np.zeros(region, dtype=np.uint8) if args.unaligned else bench.page_aligned(region)
-        async with IOEngine("bench", IOEngineConfig(backend="verbs", device="rxe0", sq_depth=256)) as engine:
+        async with IOEngine(
+            "bench", IOEngineConfig(backend="verbs", verbs=VerbsOptions(device="rxe0"), sq_depth=256)
+        ) as engine:
             desc = engine.register_memory(local, name="kv")
             peer = await engine.connect(address)
             session = await engine.create_session(desc, peer.memory["kv"])

@@ -122,11 +122,13 @@ def page_aligned(size: int, fill: int = 0) -> Any:
 
 
 def _target(region: int, device: str, pipe: Any) -> None:
-    from moriio_async import IOEngine, IOEngineConfig
+    from moriio_async import IOEngine, IOEngineConfig, VerbsOptions
 
     async def main() -> None:
         buf = page_aligned(region, 1)
-        async with IOEngine("bench-target", IOEngineConfig(backend="verbs", device=device)) as engine:
+        async with IOEngine(
+            "bench-target", IOEngineConfig(backend="verbs", verbs=VerbsOptions(device=device))
+        ) as engine:
             engine.register_memory(buf, name="kv")
             pipe.send(engine.address)
             await engine.recv_notification()
@@ -186,7 +188,7 @@ async def moriio(
 ) -> dict[tuple[str, int, str], Any]:
     """Single-op rows keyed ("single", size, op); batch rows keyed ("batch N", size, op)."""
 
-    from moriio_async import IOEngine, IOEngineConfig
+    from moriio_async import IOEngine, IOEngineConfig, VerbsOptions
 
     region = max([size * depth for size, _ in plan] + [2 * n * size for n, size, _ in batch_plan] + [4096 * depth])
     ctx = mp.get_context("spawn")
@@ -199,7 +201,7 @@ async def moriio(
             raise RuntimeError("the target process did not start")
         address = parent.recv()
         local = page_aligned(region)
-        config = IOEngineConfig(backend="verbs", device=args.device, sq_depth=256)
+        config = IOEngineConfig(backend="verbs", verbs=VerbsOptions(device=args.device), sq_depth=256)
         async with IOEngine("bench", config) as engine:
             desc = engine.register_memory(local, name="kv")
             peer = await engine.connect(address)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from .aio.transfer import Transfer
 from .aio.wait import waiting_for_transfer_complete
+from .backends.options import CmaOptions, MockOptions, TcpOptions, VerbsOptions
 from .descriptors import EngineDesc, MemoryDesc, TransportDesc
-from .engine import IOEngine, IOEngineConfig, Notification, PeerInfo, Session
+from .engine import EngineStatistics, IOEngine, IOEngineConfig, Notification, PeerInfo, Session, SessionStatistics
 from .errors import (
     AuthenticationError,
     BackendUnavailable,
@@ -42,28 +43,34 @@ __all__ = [
     "Access",
     "AuthenticationError",
     "BackendUnavailable",
+    "CmaOptions",
     "ControlPlaneError",
     "EngineClosed",
     "EngineDesc",
+    "EngineStatistics",
     "IOEngine",
     "IOEngineConfig",
     "InvalidArgument",
     "MemoryDesc",
     "MemoryInUse",
+    "MockOptions",
     "MoriioError",
     "Notification",
     "PeerError",
     "PeerInfo",
     "Session",
     "SessionClosed",
+    "SessionStatistics",
     "StalePeer",
     "StatusCode",
+    "TcpOptions",
     "Transfer",
     "TransferError",
     "TransferFailed",
     "TransferStatus",
     "TransferTimeout",
     "TransportDesc",
+    "VerbsOptions",
     "WcStatus",
     "waiting_for_transfer_complete",
 ]

@@ -8,6 +8,7 @@ failed; the channel and the transfers waiting in it stay.
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -131,7 +132,9 @@ class Job:
         return b
 
 
-class ChannelState:
+class ChannelState(enum.StrEnum):
+    """A channel's state (a ``str``: ``Session.statistics().state`` shows it as before)."""
+
     READY = "ready"
     FAILED = "failed"
     """The pair failed; waiting requests are kept until a new pair replaces it."""

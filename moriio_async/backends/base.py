@@ -60,10 +60,11 @@ The semantics every backend keeps (the conformance suite checks them):
 from __future__ import annotations
 
 import abc
+import enum
 import mmap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from ..errors import InvalidArgument, MoriioError
 from ..status import Access
@@ -79,6 +80,8 @@ __all__ = [
     "QpState",
     "QueuePair",
     "SendQueueFull",
+    "check_number",
+    "specific_options",
 ]
 
 TAG_SHIFT = 24
@@ -101,31 +104,16 @@ class SendQueueFull(MoriioError):
 
 @dataclass(frozen=True, slots=True)
 class BackendOptions:
-    """Settings a backend reads at open time. Fields a backend does not use are ignored."""
+    """Settings a backend reads at open time: those every backend may use, and its own in ``specific``."""
 
     host: str = "127.0.0.1"
     """Address the data plane listens on (TCP) or whose GID is used (verbs)."""
     sq_depth: int = 256
     """Requested send-queue depth; a backend clips it to what the device allows."""
     max_sge: int = 16
-    cq_depth: int = 8192
     retry_timeout: float = 5.0
     """Silence after which an outstanding request fails with RETRY_EXC_ERR."""
     connect_timeout: float = 10.0
-    device: str | None = None
-    """Verbs: the RDMA device name (first ACTIVE one when None)."""
-    ib_port: int = 1
-    gid_index: int | None = None
-    """Verbs: GID table index (the RoCE v2 IPv4-mapped entry when None)."""
-    qp_timeout: int = 14
-    """Verbs: local ACK timeout exponent (4.096 us * 2**n)."""
-    retry_cnt: int = 6
-    """Verbs: transport retries (at most 6: rxe treats 7 as retry forever)."""
-    rnr_retry: int = 7
-    max_data_hellos: int = 64
-    """TCP: data connections allowed in their hello at once; one more closes the oldest one in its hello."""
-    max_data_hellos_per_address: int = 32
-    """TCP: of those, from one remote address."""
     hello_timeout: float = 5.0
     """TCP: seconds from the accept for a data connection's whole hello (at most ``connect_timeout``)."""
     max_failures_per_source: int = 16
@@ -137,11 +125,34 @@ class BackendOptions:
     ``qp_tag << TAG_SHIFT | n``, so no two backends of one engine hand out the same number. Their
     completions carry at least the low ``TAG_SHIFT`` bits (verbs: the device's number; the
     software NICs: the whole one), which is what the engine's router looks them up by."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    specific: object = None
+    """The backend's own options (``TcpOptions``, ``VerbsOptions``, ``CmaOptions``, ``MockOptions`` of its
+    package); None: its defaults. Another backend's options are refused at open (``specific_options``)."""
 
 
-class QpState:
-    """Queue-pair states, named as in verbs."""
+OptionsT = TypeVar("OptionsT")
+
+
+def specific_options(options: BackendOptions, kind: type[OptionsT]) -> OptionsT:
+    """``options.specific`` if it is a ``kind``, ``kind()`` if None; ``InvalidArgument`` otherwise."""
+    given = options.specific
+    if given is None:
+        return kind()
+    if not isinstance(given, kind):
+        raise InvalidArgument(f"BackendOptions.specific must be a {kind.__name__} here, not {type(given).__name__}")
+    return given
+
+
+def check_number(owner: str, name: str, value: object, low: float, high: float, *, whole: bool = True) -> None:
+    """``InvalidArgument`` naming ``owner.name`` unless ``value`` is a number (an int if ``whole``) in low..high."""
+    kinds = int if whole else int | float
+    if not isinstance(value, kinds) or isinstance(value, bool) or not low <= value <= high:
+        what = "an int" if whole else "a number"
+        raise InvalidArgument(f"{owner}.{name} must be {what} in {low:g}..{high:g}, not {value!r}")
+
+
+class QpState(enum.StrEnum):
+    """Queue-pair states, named as in verbs (a ``str``: logs and endpoints show the name)."""
 
     RESET = "RESET"
     INIT = "INIT"
@@ -200,8 +211,8 @@ class QueuePair(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def state(self) -> str:
-        """One of ``QpState``'s values."""
+    def state(self) -> QpState:
+        """Where the pair is in its life (verbs' names)."""
 
     @abc.abstractmethod
     def endpoint(self) -> Endpoint:

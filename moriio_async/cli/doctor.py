@@ -9,6 +9,7 @@ checks (what cross-memory attach needs: ``doctor_cma.py``) always run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import select
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from ..backends import open_backend
 from ..backends.base import Backend, BackendOptions, MemoryRegion, QueuePair
+from ..backends.options import VerbsOptions
 from ..backends.verbs import probe
 from ..backends.verbs.facts import GID_TYPE_ROCE_V2, LINK_LAYER_ETHERNET, ProbeReport, memlock_limit
 from ..backends.verbs.gid import choose_gid
@@ -237,11 +239,12 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     report.lenient = args.backend != "verbs"  # with tcp or auto, verbs missing is not a failure
     verbs_ok = _check_verbs(report, facts, args)
     _check_memlock(report)
-    options = BackendOptions(host=args.host, device=args.device, ib_port=args.port)
+    options = BackendOptions(host=args.host)
     tcp_ok = True
     if not args.no_loopback:
         if verbs_ok:
-            verbs_ok = _check_loopback(report, "verbs", options)
+            verbs = VerbsOptions(device=args.device, ib_port=args.port)
+            verbs_ok = _check_loopback(report, "verbs", dataclasses.replace(options, specific=verbs))
         report.lenient = args.backend == "verbs"
         tcp_ok = _check_loopback(report, "tcp", options)
     report.lenient = args.backend != "cma"  # same-host transfers are optional unless asked for

@@ -3,7 +3,7 @@
 It starts a target process and an initiator process, both engines of the
 same backend: TCP by default, with the plan's hooks (stall and kill act in
 the target, the rest in the initiator); or ``--backend verbs``, where the
-initiator's engine takes the whole plan in ``backend_extra={"fault_plan": ...}``
+initiator's engine takes the whole plan in ``verbs=VerbsOptions(fault_plan=...)``
 and applies it at its queue pairs (one-sided verbs run nothing in the target
 to stall or kill; see ``backends/verbs/faults.py``). The initiator posts a batch of single-request
 transfers on one session, waits for them with a deadline, and prints each
@@ -34,6 +34,7 @@ from typing import Any
 
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
+from ..backends.options import TcpOptions, VerbsOptions
 from ..backends.tcp.faults import PlanHooks
 from ..core.faultplan import FaultPlan
 from ..engine import IOEngine, IOEngineConfig
@@ -73,7 +74,7 @@ def pattern(n: int) -> bytearray:
 
 def tcp_config(hooks: PlanHooks, **fields: Any) -> IOEngineConfig:
     """A TCP engine's config whose backend applies ``hooks`` (set before any queue pair exists)."""
-    return IOEngineConfig(backend="tcp", backend_extra={"hooks": hooks}, **fields)
+    return IOEngineConfig(backend="tcp", tcp=TcpOptions(hooks=hooks), **fields)
 
 
 def outcome_of(t: Transfer) -> str:
@@ -143,7 +144,7 @@ def _config(args: argparse.Namespace, hooks: PlanHooks, plan: FaultPlan | None =
     fields: dict[str, Any] = {"host": args.host, "retry_timeout": args.retry_timeout, "sq_depth": args.sq_depth}
     if args.backend == "tcp":
         return tcp_config(hooks, **fields)
-    return IOEngineConfig(backend=args.backend, backend_extra={} if plan is None else {"fault_plan": plan}, **fields)
+    return IOEngineConfig(backend=args.backend, verbs=VerbsOptions(fault_plan=plan), **fields)
 
 
 def _emit(data: dict[str, Any]) -> None:

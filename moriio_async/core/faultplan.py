@@ -30,7 +30,7 @@ same pairs and requests as the initiator. A plan is JSON::
     {"rules": [{"action": "status", "qp": 0, "wr": 3, "status": "REM_ACCESS_ERR"}]}
 
 A backend applies a plan at its own seams: the TCP backend takes one as
-``IOEngineConfig(backend_extra={"fault_plan": plan})``, or as hooks made from
+``IOEngineConfig(tcp=TcpOptions(fault_plan=plan))`` (or ``verbs=VerbsOptions(...)``), or as hooks made from
 it (``moriio_async.backends.tcp.PlanHooks``) when the caller wants to see
 what fired or to release stalls.
 """

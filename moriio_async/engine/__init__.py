@@ -5,5 +5,15 @@ from ..control.inbox import Notification
 from .config import IOEngineConfig
 from .engine import IOEngine
 from .session import Session
+from .statistics import EngineStatistics, InboundStatistics, SessionStatistics
 
-__all__ = ["IOEngine", "IOEngineConfig", "Notification", "PeerInfo", "Session"]
+__all__ = [
+    "EngineStatistics",
+    "IOEngine",
+    "IOEngineConfig",
+    "InboundStatistics",
+    "Notification",
+    "PeerInfo",
+    "Session",
+    "SessionStatistics",
+]

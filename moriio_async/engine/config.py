@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..backends.base import BackendOptions
+from ..backends.options import CmaOptions, MockOptions, TcpOptions, VerbsOptions
 from ..core.auth import load_secret
+from ..core.faultplan import FaultPlan
 from ..core.protocol import MAX_KEY
 from ..errors import InvalidArgument
 
@@ -44,14 +48,17 @@ class IOEngineConfig:
     abort_timeout: float = 10.0
     """How long ``Session.abort`` waits for flush completions before declaring them, and ``close``
     for each backend to close (one that takes longer is logged and left to finish in its thread)."""
-    device: str | None = None
-    ib_port: int = 1
-    gid_index: int | None = None
-    qp_timeout: int = 14
-    retry_cnt: int = 6
-    """Verbs: transport retries (at most 6: rxe treats 7 as retry forever)."""
-    rnr_retry: int = 7
+    tcp: TcpOptions = field(default_factory=TcpOptions)
+    """The tcp backend's own settings: its data port's hello bounds, fault injection."""
+    verbs: VerbsOptions = field(default_factory=VerbsOptions)
+    """The verbs backend's own settings: device, port, GID, retries, fault injection."""
+    cma: CmaOptions = field(default_factory=CmaOptions)
+    """The cma backend's own settings: copy windows and threads, ptracer policy, revoke wait."""
+    mock: MockOptions = field(default_factory=MockOptions)
+    """The mock backend's own settings: a held NIC, silent completion queues, its fabric."""
     backend_extra: Mapping[str, Any] = field(default_factory=dict)
+    """Deprecated: the untyped form of those (``{"fault_plan": plan}``, ``{"hold": True}``, ...); each key
+    is moved into the options that have a field of its name (a DeprecationWarning says so)."""
 
     # -- trust and bounds: what peers must prove, and what they can make this engine hold --------
     secret: bytes | str | None = field(default=None, repr=False)
@@ -73,7 +80,7 @@ class IOEngineConfig:
     whole message (a silent one first: nothing had come by its accept, while an honest dialer sends its
     hello at once), else the oldest that has been in its hello for half ``hello_timeout``; only if every one
     is younger and has sent a whole message is the newcomer refused. So silent or trickling connections can
-    neither fill ``max_links`` nor keep a legitimate peer out; counted in ``statistics()["evicted_hellos"]``."""
+    neither fill ``max_links`` nor keep a legitimate peer out; counted in ``statistics().guard.evicted_hellos``."""
     max_hellos_per_address: int = 32
     """Of those, from one remote address: over it, the oldest from that address that had half its hello
     deadline makes room."""
@@ -83,7 +90,7 @@ class IOEngineConfig:
     TCP data port. Past it, each new connection from that source to that port waits a quarter of the hello
     deadline before it is heard, for ``failure_lockout`` seconds (a timer, never a sleep on the event loop):
     every further guess costs the guesser that long, while an honest peer behind the same address is only
-    delayed, never refused (counted in ``statistics()["lockouts"]``, ``["delayed"]`` and in the data-plane
+    delayed, never refused (counted in ``statistics().guard.lockouts``, ``.guard.delayed`` and in the data-plane
     counters)."""
     failure_lockout: float = 30.0
     """Seconds over which failures are counted, and for which a source over its budget is delayed."""
@@ -101,20 +108,14 @@ class IOEngineConfig:
     """Bytes of notification data queued, with the same backpressure."""
     max_answering_qps_per_link: int = 256
     """Queue pairs a peer may have this engine answer over one link (its sessions); more are refused."""
-    max_data_hellos: int = 64
-    """TCP backend: data connections allowed in their hello (token not yet checked) at once; one more closes
-    the oldest one in its hello, a silent one first (counted in ``statistics()["data_plane"]["evicted_hellos"]``)."""
-    max_data_hellos_per_address: int = 32
-    """TCP backend: of those, from one remote address (the oldest from there that had half its deadline
-    makes room)."""
     max_inbound_statuses: int = 4096
     """Target side: ended transfers kept per initiator for ``pop_inbound_transfer_status``; beyond it the
-    oldest unpopped one is dropped (counted in ``statistics()["inbound_dropped"]``). A forgotten peer's go
+    oldest unpopped one is dropped (counted in ``statistics().inbound.dropped``). A forgotten peer's go
     with it."""
     max_inbound_status_bytes: int = 8 << 20
     """Target side: bytes all initiators' unpopped inbound statuses may take together (accounted: 320 an
     entry, about 700 an initiator); beyond it the oldest entry of any initiator is dropped (counted in
-    ``statistics()["inbound_dropped"]`` and ``["inbound_dropped_for_bytes"]``)."""
+    ``statistics().inbound.dropped`` and ``.inbound.dropped_for_bytes``)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -142,8 +143,6 @@ class IOEngineConfig:
             "max_answering_qps_per_link",
             "max_inbound_statuses",
             "max_inbound_status_bytes",
-            "max_data_hellos",
-            "max_data_hellos_per_address",
             "max_hellos",
             "max_hellos_per_address",
             "max_failures_per_source",
@@ -164,6 +163,34 @@ class IOEngineConfig:
             raise InvalidArgument(f"IOEngineConfig.secret must be bytes or str, not {type(self.secret).__name__}")
         if self.secret:
             load_secret(self.secret)  # too short: refused now, not at the first hello
+        for name, kind in _SPECIFIC.items():
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidArgument(f"IOEngineConfig.{name} must be a {kind.__name__}, not {getattr(self, name)!r}")
+        if self.backend_extra:
+            self._take_backend_extra()
+
+    def _take_backend_extra(self) -> None:
+        """Move the deprecated ``backend_extra`` keys into the typed options (frozen: set once, here)."""
+        warnings.warn(
+            "IOEngineConfig(backend_extra=...) is deprecated: use tcp=TcpOptions(...), verbs=VerbsOptions(...), "
+            "cma=CmaOptions(...) or mock=MockOptions(...)",
+            DeprecationWarning,
+            stacklevel=4,  # the caller's IOEngineConfig(...): past __post_init__ and the generated __init__
+        )
+        extra = dict(self.backend_extra)
+        for key, new in _RENAMED.items():
+            if key in extra:
+                extra[new] = extra.pop(key)
+        unknown = set(extra)
+        for name, kind in _SPECIFIC.items():
+            fields = {f.name for f in dataclasses.fields(kind)} & set(extra)
+            if name == "tcp" and not isinstance(extra.get("fault_plan", FaultPlan()), FaultPlan):
+                fields.discard("fault_plan")  # a plan's dict or JSON: only verbs took those
+            unknown -= fields
+            if fields:
+                object.__setattr__(self, name, replace(getattr(self, name), **{f: extra[f] for f in fields}))
+        if unknown:
+            raise InvalidArgument(f"IOEngineConfig.backend_extra: no backend has the settings {sorted(unknown)}")
 
     def resolved_secret(self) -> bytes | None:
         """The secret in force: ``secret``, else ``$MORIIO_ASYNC_SECRET``; None when authentication is off."""
@@ -177,23 +204,24 @@ class IOEngineConfig:
             return self.backends
         return ("cma", "verbs", "tcp") if self.backend == "auto" else (self.backend,)
 
-    def backend_options(self) -> BackendOptions:
+    def backend_options(self, name: str, tag: int = 0) -> BackendOptions:
+        """What backend ``name`` opens with, as the engine's ``tag``-th transport: the settings every backend
+        may read, and its own options."""
         return BackendOptions(
             host=self.host,
             sq_depth=self.sq_depth,
             max_sge=self.max_sge,
             retry_timeout=self.retry_timeout,
             connect_timeout=self.control_timeout,
-            device=self.device,
-            ib_port=self.ib_port,
-            gid_index=self.gid_index,
-            qp_timeout=self.qp_timeout,
-            retry_cnt=self.retry_cnt,
-            rnr_retry=self.rnr_retry,
-            max_data_hellos=self.max_data_hellos,
-            max_data_hellos_per_address=self.max_data_hellos_per_address,
             hello_timeout=self.hello_timeout,
             max_failures_per_source=self.max_failures_per_source,
             failure_lockout=self.failure_lockout,
-            extra=self.backend_extra,
+            qp_tag=tag,
+            specific=getattr(self, name),
         )
+
+
+_SPECIFIC: dict[str, type] = {"tcp": TcpOptions, "verbs": VerbsOptions, "cma": CmaOptions, "mock": MockOptions}
+"""Each backend's name, which is also the field of its options."""
+_RENAMED = {"verbs_flush_grace": "flush_grace", "verbs_extended_qp": "extended_qp"}
+"""``backend_extra`` keys whose option field is named otherwise."""

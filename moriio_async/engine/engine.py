@@ -38,6 +38,7 @@ from .config import IOEngineConfig
 from .memory import LocalRegion, MemoryRegistry
 from .running import Running, log_trust
 from .session import Session
+from .statistics import IDLE_ROUTER, NO_PEERS, EngineStatistics, InboundStatistics
 from .transports import open_backends
 from .uids import TransferUids, check_uid
 
@@ -65,8 +66,6 @@ class IOEngine:
         self.incarnation = new_incarnation()
         self.closed = True
         self._started = False
-        self._backend: Backend | None = None
-        """The first open backend (``cli/faults.py`` installs its hooks here until they move to ``backend_extra``)."""
         self._backends: list[Backend] = []
         """Every open backend, best first."""
         self._running: Running | None = None
@@ -96,7 +95,6 @@ class IOEngine:
         cfg = self.config
         # Opening a device can take a while (verbs); keep the loop free meanwhile.
         backends = self._backends = await self.loop.run_in_executor(None, open_backends, cfg)
-        self._backend = backends[0]
         self._running = None
         try:
             self._running = Running.open(
@@ -152,7 +150,6 @@ class IOEngine:
 
     async def _teardown(self) -> None:
         running, backends = self._running, self._backends
-        self._backend = None
         self._backends = []
         if running is not None:
             await running.stop()
@@ -375,50 +372,28 @@ class IOEngine:
         async for note in self._inbox:
             yield note
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> EngineStatistics:
         """A snapshot: identity, counts of sessions, regions, transfers, links and peers, the reader's figures,
-        and what peers did wrong (refused links and hellos, bad frames, access errors per peer; on the
-        data ports, ``data_plane``: refused tokens and connections, bad and slow messages, aborted requests)."""
-        running = self._running
-        router = running.router.statistics() if running is not None else None
-        peers = running.peers.statistics() if running is not None else None
-        guard = self._guard.snapshot()
-        return {
-            "key": self.key,
-            "incarnation": self.incarnation,
-            "transports": list(running.transports.names) if running is not None else [],
-            "peer_transports": running.peers.chosen_transports() if running is not None else {},
-            "answering_transports": running.peers.answering_transports() if running is not None else {},
-            "sessions": len(self._sessions),
-            "regions": len(self._memory),
-            "outstanding": router.outstanding if router is not None else 0,
-            "reader": router.reader if router is not None else None,
-            "channels": router.channels if router is not None else 0,
-            "drains": router.drains if router is not None else 0,
-            "peers": peers.peers if peers is not None else 0,
-            "links": peers.links if peers is not None else 0,
-            "answering_qps": peers.answering_qps if peers is not None else 0,
-            "opened_qps": peers.opened_qps if peers is not None else 0,
-            "notifications": len(self._inbox),
-            "notification_bytes": self._inbox.bytes,
-            "uids_in_flight": len(self._uids),
-            "inbound_statuses": len(self._inbound),
-            "inbound_dropped": self._inbound.dropped,
-            "inbound_dropped_for_bytes": self._inbound.dropped_for_bytes,
-            "inbound_status_bytes": self._inbound.bytes,
-            "done_dropped": running.peers.dropped_done if running is not None else 0,
-            "authenticated": self._secret is not None,
-            "refused_links": guard.refused_links,
-            "idle_closed": guard.idle_closed,
-            "bad_frames": guard.bad_frames,
-            "rogue_hellos": guard.rogue_hellos,
-            "auth_failures": guard.auth_failures,
-            "impersonations": guard.impersonations,
-            "access_errors": guard.access_errors,
-            "evicted_hellos": guard.evicted_hellos,
-            "evicted_idle_links": guard.evicted_idle_links,
-            "lockouts": guard.lockouts,
-            "delayed": guard.delayed,
-            "suppressed_log_lines": self._guard.suppressed,
-            "data_plane": running.transports.data_plane() if running is not None else {},
-        }
+        and what peers did wrong (``guard``: refused links and hellos, bad frames, access errors per peer;
+        ``data_plane``: refused tokens and connections, bad and slow messages, aborted requests)."""
+        running, inbox, held = self._running, self._inbox, self._inbound
+        done_dropped = running.peers.dropped_done if running is not None else 0
+        return EngineStatistics(
+            key=self.key,
+            incarnation=self.incarnation,
+            authenticated=self._secret is not None,
+            transports=running.transports.names if running is not None else (),
+            peer_transports=running.peers.chosen_transports() if running is not None else {},
+            answering_transports=running.peers.answering_transports() if running is not None else {},
+            sessions=len(self._sessions),
+            regions=len(self._memory),
+            uids_in_flight=len(self._uids),
+            router=running.router.statistics() if running is not None else IDLE_ROUTER,
+            peers=running.peers.statistics() if running is not None else NO_PEERS,
+            guard=self._guard.snapshot(),
+            suppressed_log_lines=self._guard.suppressed,
+            inbound=InboundStatistics(
+                len(inbox), inbox.bytes, len(held), held.bytes, held.dropped, held.dropped_for_bytes, done_dropped
+            ),
+            data_plane=running.transports.data_plane() if running is not None else {},
+        )

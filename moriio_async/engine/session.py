@@ -31,6 +31,7 @@ from ..descriptors import MemoryDesc
 from ..errors import EngineClosed, InvalidArgument, MoriioError, SessionClosed, StalePeer
 from ..status import Access, Opcode, StatusCode
 from .memory import LocalRegion
+from .statistics import SessionStatistics
 from .transports import Transport
 from .uids import TransferUids
 
@@ -320,18 +321,11 @@ class Session:
         self._router.detach(self.channel)
         self._peers.close_qp(self.channel.qp)
 
-    def statistics(self) -> dict[str, int | str]:
+    def statistics(self) -> SessionStatistics:
         ch = self.channel
-        return {
-            "state": ch.state,
-            "transport": self.transport,
-            "qp_num": ch.qp_num,
-            "in_flight": ch.in_flight,
-            "waiting": ch.waiting,
-            "posted": ch.posted,
-            "max_in_flight": ch.max_in_flight,
-            "sq_depth": ch.sendq.depth,
-        }
+        return SessionStatistics(
+            ch.state, self.transport, ch.qp_num, ch.in_flight, ch.waiting, ch.posted, ch.max_in_flight, ch.sendq.depth
+        )
 
 
 _STALE_HINT = "connect() to the peer again and create a new session with its new MemoryDesc"

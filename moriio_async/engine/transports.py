@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from ..backends import open_backend
-from ..backends.base import TAG_SHIFT, Backend, BackendOptions, CompletionQueue, QueuePair
+from ..backends.base import TAG_SHIFT, Backend, CompletionQueue, QueuePair
 from ..descriptors import TransportDesc
 from ..errors import BackendUnavailable
 from .config import IOEngineConfig
@@ -48,10 +48,10 @@ def open_backends(config: IOEngineConfig) -> list[Backend]:
     try:
         for i, name in enumerate(names):
             # Its place among those opened: its pairs' numbers carry it (``Transports.of``).
-            options = replace(config.backend_options(), qp_tag=len(opened))
+            options = config.backend_options(name, tag=len(opened))
             if name == "cma" and i < len(names) - 1:
                 # The engine has a transport to fall back on: it says why, once, not the backend.
-                options = _with_extra(options, quiet_refusal=True)
+                options = replace(options, specific=replace(config.cma, quiet_refusal=True))
             try:
                 opened.append(open_backend(name, options))
             except (BackendUnavailable, OSError) as exc:  # OSError: a socket or memfd the host refuses
@@ -65,10 +65,6 @@ def open_backends(config: IOEngineConfig) -> list[Backend]:
             backend.close()
         raise
     return opened
-
-
-def _with_extra(options: BackendOptions, **extra: object) -> BackendOptions:
-    return replace(options, extra={**options.extra, **extra})
 
 
 @dataclass(eq=False, slots=True)

@@ -30,6 +30,7 @@ from moriio_async import (
     PeerInfo,
     Session,
 )
+from moriio_async.metrics import EngineCollector
 
 from .config import InstanceSettings
 from .kvpool import KVPool
@@ -95,7 +96,7 @@ class Instance:
         self._kv = self.engine.register_memory(self.pool.array, name="kv")
         r = self.metrics.registry
         r.register(StatsCollector("moriio_kv_blocks", "KV blocks of this instance by state", self.pool.stats))
-        r.register(StatsCollector("moriio_engine", "IOEngine.statistics()", self.engine_statistics))
+        r.register(EngineCollector(self.engine))
         self._router = asyncio.create_task(self._route_notifications(), name=f"{self.settings.name}-notifications")
         log.info(
             "%s: engine %s (%s), %d KV blocks",
@@ -126,17 +127,11 @@ class Instance:
         sessions' and those of the peers that opened pairs to it; before any, the engine's preferred
         backend."""
         stats = self.engine.statistics()
-        used = sorted({*stats["peer_transports"].values(), *stats["answering_transports"].values()})
+        used = sorted({*stats.peer_transports.values(), *stats.answering_transports.values()})
         return "+".join(used) if used else self.engine.backend_name
 
     def engine_ref(self) -> EngineRef:
         return EngineRef(self.settings.name, self.engine.address, self.engine.incarnation)
-
-    def engine_statistics(self) -> dict[str, Any]:
-        stats = dict(self.engine.statistics())
-        stats.pop("key", None)
-        stats.pop("incarnation", None)  # an id, not a quantity
-        return stats
 
     def health(self) -> InstanceHealth:
         s = self.settings

@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from moriio_async import (
+    MockOptions,
     StatusCode,
     TransferError,
     TransferFailed,
@@ -58,7 +59,7 @@ async def test_timeout_lists_every_pending_transfer_and_they_go_on(held: Pair) -
 
 
 async def test_completions_sitting_in_the_cq_are_not_called_timeouts() -> None:
-    a, b, p = await make_pair("mock", backend_extra={"silent_cq": True})
+    a, b, p = await make_pair("mock", mock=MockOptions(silent_cq=True))
     try:
         ts = [p.session.read(i, i, 1) for i in range(3)]
         # The NIC finished them all, but no channel event was raised.
@@ -73,7 +74,7 @@ async def test_completions_sitting_in_the_cq_are_not_called_timeouts() -> None:
 async def test_the_final_drain_covers_every_engine_behind_the_wait() -> None:
     """Transfers of two engines in one wait, each engine's completions in its CQ and never notified: at the
     deadline both completion queues are drained, not only the first transfer's engine."""
-    pairs = [await make_pair("mock", backend_extra={"silent_cq": True}) for _ in range(2)]
+    pairs = [await make_pair("mock", mock=MockOptions(silent_cq=True)) for _ in range(2)]
     try:
         ts = [p.session.read(i, i, 1) for _, _, p in pairs for i in range(3)]
         ts.append(pairs[0][2].session.read(9, 9, 1))  # the first engine's again, after the second's
@@ -164,7 +165,7 @@ async def test_awaiting_a_failed_transfer_raises_transfer_failed(held: Pair) -> 
         await t
     err = info.value
     assert err.peer == "b" and err.local_offsets == (0,) and err.remote_offsets == (0,)
-    assert err.qp_num == held.session.statistics()["qp_num"]
+    assert err.qp_num == held.session.statistics().qp_num
 
 
 async def test_peer_vanishing_fails_oldest_with_retry_exceeded_then_flushes(held: Pair) -> None:
@@ -183,11 +184,11 @@ async def test_empty_wait_returns_at_once() -> None:
 async def test_the_deadline_drains_each_engine_once_however_many_transfers_wait(held: Pair) -> None:
     """The dedup keyed on the id of a bound method made per transfer: one drain per pending transfer."""
     ts = [held.session.read(i, i, 1) for i in range(50)]
-    before = held.a.statistics()["drains"]
+    before = held.a.statistics().router.drains
     with pytest.raises(TransferError) as info:
         await waiting_for_transfer_complete(ts, timeout=0.01)
     assert len(info.value.timed_out) == 50
-    assert held.a.statistics()["drains"] == before + 1
+    assert held.a.statistics().router.drains == before + 1
     nic(held).step(50)
     await waiting_for_transfer_complete(ts, timeout=5)
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
+from moriio_async.backends.verbs import VerbsOptions
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
 
@@ -34,10 +35,17 @@ def backend_names() -> list[str]:
     return [b.strip() for b in os.environ.get("MORIIO_TEST_BACKENDS", "mock,tcp,cma").split(",") if b.strip()]
 
 
+CQ_DEPTH = 8192
+"""Completion-queue depth of the pairs the harness makes (deep enough for every test's batches)."""
+
+
 def make_options(**overrides: Any) -> BackendOptions:
     """Test defaults, then MORIIO_TEST_BACKEND_OPTIONS (JSON: e.g. the verbs device), then ``overrides``."""
     options = BackendOptions(retry_timeout=2.0, connect_timeout=10.0)
     env = json.loads(os.environ.get("MORIIO_TEST_BACKEND_OPTIONS", "{}"))
+    verbs = {k: env.pop(k) for k in list(env) if k in VerbsOptions.__dataclass_fields__}
+    if verbs:  # the verbs device and its settings: the suite runs on verbs alone then
+        env["specific"] = VerbsOptions(**verbs)
     return replace(options, **{**env, **overrides})
 
 
@@ -47,7 +55,8 @@ def dead_peer_deadline(options: BackendOptions) -> float:
     TCP waits ``retry_timeout`` of silence; verbs retries ``retry_cnt`` times
     an ACK timeout of 4.096 us * 2**qp_timeout.
     """
-    verbs = 4.096e-6 * 2**options.qp_timeout * (options.retry_cnt + 1)
+    own = options.specific if isinstance(options.specific, VerbsOptions) else VerbsOptions()
+    verbs = 4.096e-6 * 2**own.qp_timeout * (own.retry_cnt + 1)
     return 2 * max(options.retry_timeout, verbs) + 5.0
 
 
@@ -241,7 +250,7 @@ class PairFactory:
         sides = []
         for size, access, fill in ((size_a, Access.all(), 0), (size_b, access_b, 1)):
             backend = open_backend(self.name, opts)
-            cq = backend.create_cq(opts.cq_depth)
+            cq = backend.create_cq(CQ_DEPTH)
             qp = backend.create_qp(cq)
             buf = random_bytes(size, seed + fill) if fill else np.zeros(size, np.uint8)
             mr = backend.register_memory(memoryview(buf), access)

@@ -15,12 +15,14 @@ import numpy as np
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import BackendOptions
+from moriio_async.backends.options import VerbsOptions
 from moriio_async.status import Access
 
 
 def main() -> None:
     name, options, size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    backend = open_backend(name, BackendOptions(**options))
+    verbs = options.pop("verbs", None)
+    backend = open_backend(name, BackendOptions(**options, specific=VerbsOptions(**verbs) if verbs else None))
     cq = backend.create_cq(1024)
     qp = backend.create_qp(cq)
     buf = np.zeros(size, np.uint8)

@@ -18,9 +18,10 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState
-from moriio_async.backends.cma import CmaBackend, CmaQueuePair, VendorErr, initiator, wire
+from moriio_async.backends.cma import CmaBackend, CmaOptions, CmaQueuePair, VendorErr, initiator, wire
 from moriio_async.backends.cma.inuse import ANY, InUse
 from moriio_async.backends.cma.iov import segments, window
+from moriio_async.backends.tcp import TcpOptions
 from moriio_async.errors import InvalidArgument
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
@@ -138,8 +139,7 @@ def test_shared_allocation_moves_bytes_through_the_mapping_and_is_unmapped_on_re
 
 
 def test_windows_split_over_threads_are_byte_identical(pairs: PairFactory) -> None:
-    extra = {"threads": 3, "round_bytes": 64 << 10, "split_bytes": 4096}
-    pair = pairs(8 << 20, 8 << 20, extra=extra)
+    pair = pairs(8 << 20, 8 << 20, specific=CmaOptions(threads=3, round_bytes=64 << 10, split_bytes=4096))
     src = random_bytes(4 << 20, 3)
     pair.a.buf[: 4 << 20] = src
     big = pair.write(0, 0, 3 << 20, 1 << 20)
@@ -182,9 +182,11 @@ def test_iovec_windows_and_segments_cover_the_stream(backend_name: str) -> None:
 
 
 def test_bad_settings_are_refused_with_the_key_named(backend_name: str) -> None:
-    for extra in ({"threads": 0}, {"round_bytes": "4M"}, {"ptracer": "everyone"}):
-        with pytest.raises(InvalidArgument, match=next(iter(extra))):
-            open_backend("cma", make_options(extra=extra))
+    for bad in ({"threads": 0}, {"round_bytes": "4M"}, {"ptracer": "everyone"}, {"revoke_wait": 0}):
+        with pytest.raises(InvalidArgument, match=rf"CmaOptions\.{next(iter(bad))}"):
+            CmaOptions(**bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"BackendOptions\.specific must be a CmaOptions"):
+        open_backend("cma", make_options(specific=TcpOptions()))
     backend = cma(open_backend("cma", make_options()))
     try:
         with pytest.raises(InvalidArgument, match="allocation size"):
@@ -325,7 +327,7 @@ class FakeInitiator:
 def test_deregistration_waits_only_for_a_window_in_progress_and_cuts_off_one_that_never_ends(
     backend_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    backend = cma(open_backend("cma", make_options(extra={"revoke_wait": 0.3})))
+    backend = cma(open_backend("cma", make_options(specific=CmaOptions(revoke_wait=0.3))))
     buf = np.zeros(1 << 20, np.uint8)
     fake = FakeInitiator(backend)
     try:

@@ -11,6 +11,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState, SendQueueFull
+from moriio_async.backends.mock import MockOptions
 from moriio_async.backends.mock.fabric import MockFabric
 from moriio_async.errors import InvalidArgument, PeerError
 from moriio_async.status import Access, Opcode, WcStatus
@@ -21,7 +22,7 @@ from .harness import Pair, PairFactory, make_options, statuses, wr_ids
 pytestmark = [pytest.mark.timeout(60), pytest.mark.only_backends("mock", reason="the mock queue pair's seams")]
 
 W, R = Opcode.RDMA_WRITE, Opcode.RDMA_READ
-HOLD = {"hold": True}
+HOLD = MockOptions(hold=True)
 SIZE = 256
 
 
@@ -42,7 +43,7 @@ def moved(pair: Pair, i: int, op: Opcode) -> bool:
 
 
 def test_held_requests_run_only_when_stepped_oldest_first(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, W, R], [True, False, True]))
     qp.post_send(requests(pair, [R, W], first=3))
@@ -58,7 +59,7 @@ def test_held_requests_run_only_when_stepped_oldest_first(pairs: PairFactory) ->
 
 
 def test_fail_next_ends_the_next_executed_request_and_flushes_the_rest(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, W, W], [False, True, True]))
     qp.step(1)  # an unsignaled success: no completion yet
@@ -84,7 +85,7 @@ def test_fail_next_without_hold_applies_to_the_next_post_once(pairs: PairFactory
 
 
 def test_vanish_fails_the_oldest_held_request_as_a_dead_peer(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, R, W], [False, False, True]))
     qp.vanish()
@@ -97,7 +98,7 @@ def test_vanish_fails_the_oldest_held_request_as_a_dead_peer(pairs: PairFactory)
     assert not moved(pair, 0, W) and not moved(pair, 1, R)
     qp.post_send(requests(pair, [W]))  # in ERR: flushed at once, even with hold
     assert polled(pair) == [(0, WcStatus.WR_FLUSH_ERR, W, 0)]
-    idle = pairs(extra=HOLD)
+    idle = pairs(specific=HOLD)
     idle.a.qp.vanish()  # nothing held: no completion, the pair is in ERR all the same
     assert idle.a.qp.state == QpState.ERR and polled(idle) == []
     idle.a.qp.post_send(requests(idle, [R]))
@@ -116,7 +117,7 @@ def test_a_request_to_a_closed_peer_runs_out_of_retries(pairs: PairFactory) -> N
 
 def test_each_completion_frees_the_slots_of_the_successes_it_covers(pairs: PairFactory) -> None:
     for hold in (False, True):
-        pair = pairs(sq_depth=4, extra={"hold": hold})
+        pair = pairs(sq_depth=4, specific=MockOptions(hold=hold))
         qp = pair.a.qp
         qp.post_send(requests(pair, [W]))
         qp.post_send(requests(pair, [W, R], [False, False], first=1))
@@ -253,7 +254,7 @@ def test_access_rights_at_both_ends_for_every_shape_of_post(pairs: PairFactory, 
     """The quick path of a single request, the general one (held, or several SGEs) and a chunk of equal
     requests apply the same rights, and a refused request moves no byte."""
     for local_access, remote_access in ACCESS:
-        pair = pairs(extra={"hold": shape == "held-one"})
+        pair = pairs(specific=MockOptions(hold=shape == "held-one"))
         src = np.random.default_rng(1).integers(0, 256, 4 * SIZE, dtype=np.uint8)
         dst = np.random.default_rng(2).integers(0, 256, 4 * SIZE, dtype=np.uint8)
         mine = pair.a.register(src if op is W else dst, local_access)
@@ -350,7 +351,7 @@ FLUSH = WcStatus.WR_FLUSH_ERR
 
 @pytest.mark.parametrize("op", [W, R], ids=["write", "read"])
 def test_hold_keeps_a_single_request_of_one_sge_until_stepped(pairs: PairFactory, op: Opcode) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [op]))  # the shape the quick path takes when nothing is held
     assert qp.held == 1 and polled(pair) == [] and not moved(pair, 0, op)
@@ -388,7 +389,7 @@ def test_a_single_request_without_sges_succeeds_and_moves_nothing(pairs: PairFac
 
 
 def test_vanish_on_a_pair_already_in_err_leaves_held_requests_to_the_next_step(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, R, W]))
     qp.fail_next(WcStatus.REM_ACCESS_ERR)
@@ -412,7 +413,7 @@ def test_closed_is_false_until_close_then_true(pairs: PairFactory) -> None:
 
 
 def test_to_error_flushes_every_held_request_at_once(pairs: PairFactory) -> None:
-    pair = pairs(extra=HOLD)
+    pair = pairs(specific=HOLD)
     qp = pair.a.qp
     qp.post_send(requests(pair, [W, R]))
     qp.post_send(requests(pair, [W], first=2))
@@ -426,7 +427,7 @@ def test_to_error_flushes_every_held_request_at_once(pairs: PairFactory) -> None
 
 def test_a_closed_passive_pair_leaves_its_fabric() -> None:
     fabric = MockFabric()
-    backend = open_backend("mock", make_options(extra={"fabric": fabric}))
+    backend = open_backend("mock", make_options(specific=MockOptions(fabric=fabric)))
     try:
         passive = backend.create_qp(backend.create_cq(8))
         passive.connect({"accepting": False})  # waits for a dial by its token

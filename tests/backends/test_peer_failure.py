@@ -19,6 +19,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend, BackendOptions, QpState, QueuePair
+from moriio_async.backends.options import VerbsOptions
 from moriio_async.backends.tcp import Hooks
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
@@ -72,7 +73,11 @@ class RemotePeer:
             peer_qp.connect(json.loads(json.dumps(dict(qp.endpoint()))))
             peer = {"endpoint": dict(peer_qp.endpoint()), "addr": mr.addr, "rkey": mr.rkey}
         else:
-            env_opts = {k: v for k, v in dataclasses.asdict(self.opts).items() if k != "extra"}
+            env_opts = {k: v for k, v in dataclasses.asdict(self.opts).items() if k != "specific"}
+            if isinstance(self.opts.specific, VerbsOptions):  # the guest suite's device: rebuilt over there
+                env_opts["verbs"] = {
+                    k: v for k, v in dataclasses.asdict(self.opts.specific).items() if k != "fault_plan"
+                }
             # Prepend: inside the guest PYTHONPATH already points at the cached pyverbs.
             path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
             self.proc = proc = subprocess.Popen(

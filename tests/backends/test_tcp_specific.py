@@ -12,7 +12,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
-from moriio_async.backends.tcp import Fault, Hooks, TcpQueuePair, VendorErr, iov
+from moriio_async.backends.tcp import Fault, Hooks, TcpOptions, TcpQueuePair, VendorErr, iov
 from moriio_async.backends.tcp.wire import peer_progress
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.errors import InvalidArgument, MoriioError
@@ -232,16 +232,18 @@ def test_vectored_io_survives_partial_writes_and_reads() -> None:
     assert np.array_equal(sent, got)
 
 
-def test_a_fault_plan_given_through_backend_extra_applies(pairs: PairFactory) -> None:
-    """``extra={"fault_plan": plan}`` (IOEngineConfig's backend_extra) hooks every pair the backend makes."""
+def test_a_fault_plan_given_in_the_tcp_options_applies(pairs: PairFactory) -> None:
+    """``TcpOptions(fault_plan=plan)`` (IOEngineConfig's ``tcp``) hooks every pair the backend makes."""
     plan = FaultPlan((FaultRule(Action.STATUS, qp=0, wr=1, status=WcStatus.REM_OP_ERR),))
-    pair = pairs(extra={"fault_plan": plan})
+    pair = pairs(specific=TcpOptions(fault_plan=plan))
     wcs = pair.run([pair.write(i, i * 4096, 4096, i * 4096) for i in range(3)])
     assert statuses(wcs) == [WcStatus.SUCCESS, WcStatus.REM_OP_ERR, WcStatus.WR_FLUSH_ERR]
 
 
-def test_backend_extra_fault_settings_are_checked(backend_name: str) -> None:
-    with pytest.raises(InvalidArgument, match="fault_plan"):
-        open_backend(backend_name, make_options(extra={"fault_plan": {"rules": []}}))
+def test_fault_settings_are_checked_when_the_options_are_made() -> None:
+    with pytest.raises(InvalidArgument, match=r"TcpOptions\.fault_plan"):
+        TcpOptions(fault_plan={"rules": []})  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="not both"):
-        open_backend(backend_name, make_options(extra={"fault_plan": FaultPlan(), "hooks": Hooks()}))
+        TcpOptions(fault_plan=FaultPlan(), hooks=Hooks())
+    with pytest.raises(InvalidArgument, match=r"TcpOptions\.hooks"):
+        open_backend("tcp", make_options(specific=TcpOptions(hooks=object())))  # checked at open

@@ -19,7 +19,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend, MemoryRegion, QueuePair
-from moriio_async.backends.tcp import Hooks, TcpBackend, VendorErr
+from moriio_async.backends.tcp import Hooks, TcpBackend, TcpOptions, VendorErr
 from moriio_async.backends.tcp.regions import KeyStream
 from moriio_async.core.auth import token_for
 from moriio_async.errors import InvalidArgument
@@ -56,7 +56,8 @@ class Target:
 @contextmanager
 def target(*, export: bool = True, key: bytes | None = None, **options: object) -> Iterator[Target]:
     """A backend with one 64 KiB region and a passive pair waiting for a dial from pair number 7."""
-    backend = open_backend("tcp", make_options(**options))
+    own = {k: options.pop(k) for k in list(options) if k in TcpOptions.__dataclass_fields__}
+    backend = open_backend("tcp", make_options(**options, specific=TcpOptions(**own)))  # type: ignore[arg-type]
     try:
         buf = np.zeros(1 << 16, np.uint8)
         mr = backend.register_memory(memoryview(buf), Access.all())

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from moriio_async import IOEngineConfig as AsyncEngineConfig
+from moriio_async import MockOptions
 from moriio_async.compat.mori import BackendType, IOEngine, IOEngineConfig, MemoryDesc, RdmaBackendConfig
 
 T = TypeVar("T")
 
 
 def options(backend: str, **extra: Any) -> AsyncEngineConfig:
-    return AsyncEngineConfig(backend=backend, backend_extra=extra)
+    return AsyncEngineConfig(backend=backend, mock=MockOptions(**extra))
 
 
 def make_pair(

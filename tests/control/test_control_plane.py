@@ -64,10 +64,10 @@ async def raw_hello(address: str, key: str) -> tuple[asyncio.StreamReader, async
 async def test_bad_first_frames_get_an_error_and_the_listener_keeps_serving(
     pair: Pair, payload: bytes, reason: str
 ) -> None:
-    links = pair.b.statistics()["links"]
+    links = pair.b.statistics().peers.links
     reply = await raw_exchange(pair.b.address, payload)
     assert error_reason(reply) == reason
-    await until(lambda: pair.b.statistics()["links"] == links)
+    await until(lambda: pair.b.statistics().peers.links == links)
     peer = await pair.a.connect(pair.b.address)
     assert peer.engine.key == "b"
 
@@ -112,7 +112,7 @@ async def test_malformed_frame_after_hello_closes_only_that_link(pair: Pair) -> 
 async def test_a_message_that_does_not_validate_closes_only_its_link_with_one_warning(
     pair: Pair, bad: dict[str, Any] | bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    links = pair.b.statistics()["links"]
+    links = pair.b.statistics().peers.links
     reader, writer = await raw_hello(pair.b.address, "evil")
     caplog.clear()
     writer.write(struct.pack("!I", len(bad)) + bad if isinstance(bad, bytes) else frame(bad))
@@ -121,7 +121,7 @@ async def test_a_message_that_does_not_validate_closes_only_its_link_with_one_wa
     assert (reply["op"], reply["reason"], reply["re"]) == ("error", "frame", None)
     assert await asyncio.wait_for(reader.read(), 5) == b""  # and the link was closed
     writer.close()
-    await until(lambda: pair.b.statistics()["links"] == links)
+    await until(lambda: pair.b.statistics().peers.links == links)
     assert [r.levelno for r in caplog.records if r.name == "moriio_async"] == [logging.WARNING]
     assert not any(r.exc_info for r in caplog.records), "a bad frame logged a traceback"
     await pair.a.notify("b", b"still here")
@@ -149,14 +149,14 @@ async def test_a_refused_request_gets_its_reason_and_keeps_the_link(pair: Pair) 
 async def test_closing_a_session_closes_the_answering_pair_it_had_on_the_peer(pair: Pair) -> None:
     """close_qp used to name the initiator's own queue pair, which the target does not know:
     the answering pair stayed until the whole link closed."""
-    answering = pair.b.statistics()["answering_qps"]
+    answering = pair.b.statistics().peers.answering_qps
     info = await pair.a.connect(pair.b.address)
     session = await pair.a.create_session(pair.desc_a, info.memory["kv"])
-    assert pair.b.statistics()["answering_qps"] == answering + 1
-    assert pair.a.statistics()["opened_qps"] == 2
+    assert pair.b.statistics().peers.answering_qps == answering + 1
+    assert pair.a.statistics().peers.opened_qps == 2
     await session.close()
-    await until(lambda: pair.b.statistics()["answering_qps"] == answering)
-    assert pair.a.statistics()["opened_qps"] == 1
+    await until(lambda: pair.b.statistics().peers.answering_qps == answering)
+    assert pair.a.statistics().peers.opened_qps == 1
     await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)  # the other session is intact
 
 
@@ -174,17 +174,17 @@ async def test_another_peers_close_qp_naming_a_s_answering_pairs_closes_nothing_
         await evil.send({"op": "connect_qp", "id": 2, "incarnation": b.incarnation, "endpoint": endpoint})
         own = await read_message(evil.reader)
         assert own["op"] == "qp"
-        answering = b.statistics()["answering_qps"]  # a's, and evil's own
+        answering = b.statistics().peers.answering_qps  # a's, and evil's own
         numbers = [n for n in range(max(0, own["qp"] - 256), own["qp"] + 256) if n != own["qp"]]
         await evil.send(*({"op": "close_qp", "qp": n} for n in numbers), {"op": "memory", "id": 3})
         while (await read_message(evil.reader)).get("re") != 3:  # notices first: they were handled
             pass
-        assert b.statistics()["answering_qps"] == answering
+        assert b.statistics().peers.answering_qps == answering
         pair.buf_b[:64] = 0x5A
         await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)  # a's pair still answers
         assert (pair.buf_a[:64] == 0x5A).all()
         await evil.send({"op": "close_qp", "qp": own["qp"]})  # its own: that one it may close
-        await until(lambda: b.statistics()["answering_qps"] == answering - 1)
+        await until(lambda: b.statistics().peers.answering_qps == answering - 1)
     finally:
         await evil.close()
 
@@ -194,7 +194,7 @@ async def test_notifications_end_with_the_engine(backend: str) -> None:
         await a.connect(b.address)
         await a.notify("b", b"one")
         await a.notify("b", b"two")
-        await until(lambda: b.statistics()["notifications"] == 2)
+        await until(lambda: b.statistics().inbound.notifications == 2)
         seen: list[bytes] = []
 
         async def consume() -> None:
@@ -287,8 +287,8 @@ async def test_a_session_being_created_when_its_engine_closes_leaves_no_queue_pa
     with pytest.raises((ControlPlaneError, EngineClosed)):
         await creating
     stats = pair.a.statistics()
-    assert (stats["sessions"], stats["opened_qps"], stats["channels"]) == (0, 0, 0)
-    await until(lambda: pair.b.statistics()["answering_qps"] == 0)
+    assert (stats.sessions, stats.peers.opened_qps, stats.router.channels) == (0, 0, 0)
+    await until(lambda: pair.b.statistics().peers.answering_qps == 0)
 
 
 async def test_a_redial_that_reaches_another_engine_is_refused(backend: str) -> None:
@@ -298,8 +298,8 @@ async def test_a_redial_that_reaches_another_engine_is_refused(backend: str) -> 
         await a.connect(b.address)
         port = int(b.address.rsplit(":", 1)[1])
         await b.close()
-        await until(lambda: a.statistics()["links"] == 0)
+        await until(lambda: a.statistics().peers.links == 0)
         async with IOEngine("c", IOEngineConfig(backend=backend, port=port)) as c:
             with pytest.raises(ControlPlaneError, match="is engine 'c' now, not 'b'"):
                 await a.notify("b", b"for b only")
-            assert c.statistics()["notifications"] == 0
+            assert c.statistics().inbound.notifications == 0

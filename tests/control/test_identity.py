@@ -66,7 +66,7 @@ async def test_notices_speak_for_the_key_their_link_proved_never_one_in_their_bo
     assert [(n.peer, n.data) for n in notes] == [("c", b"as a?"), ("c", b"last")]
     assert p.b.pop_inbound_transfer_status("a", 5) is None, "c's done notice was filed as a's"
     assert p.b.pop_inbound_transfer_status("c", 5) is StatusCode.SUCCESS
-    assert p.b.statistics()["answering_qps"] == before["answering_qps"], "c closed a's answering pair"
+    assert p.b.statistics().peers.answering_qps == before.peers.answering_qps, "c closed a's answering pair"
     assert any("not one engine 'c' asked for" in line for line in dropped(caplog, "CloseQp")), caplog.text
     await wait_all([p.session.read(0, 0, 4096)], timeout=10)  # a's session is whole
     await c.close()
@@ -77,11 +77,11 @@ async def test_the_limit_of_one_shared_secret_any_holder_can_prove_any_key(secur
     (at a's incarnation) speaks as a. This is the control for the test above: the same close_qps,
     from a link that proved a, do close a's answering pair."""
     p = secured
-    before = p.b.statistics()["answering_qps"]
+    before = p.b.statistics().peers.answering_qps
     as_a = await hello(p.b.address, "a", incarnation=p.a.incarnation, secret=SECRET)
     assert as_a.welcomed
     await as_a.send(*({"op": "close_qp", "qp": n} for n in range(0x1000)))
-    await until(lambda: p.b.statistics()["answering_qps"] < before)
+    await until(lambda: p.b.statistics().peers.answering_qps < before)
     await as_a.close()
 
 
@@ -148,7 +148,7 @@ async def test_a_listener_that_proves_as_one_engine_and_welcomes_as_another_is_r
         async with IOEngine("decode-0", IOEngineConfig(backend=backend, secret=SECRET)) as dialer:
             with pytest.raises(AuthenticationError):
                 await dialer.connect(address)
-            assert dialer.statistics()["peers"] == 0
+            assert dialer.statistics().peers.peers == 0
     finally:
         server.close()
         await server.wait_closed()
@@ -163,7 +163,7 @@ async def test_without_a_secret_a_welcome_listing_another_engines_regions_is_ref
         async with IOEngine("decode-0", IOEngineConfig(backend=backend, secret="")) as dialer:
             with pytest.raises(ControlPlaneError, match="an engine lists only its own"):
                 await dialer.connect(address)
-            assert dialer.statistics()["peers"] == 0
+            assert dialer.statistics().peers.peers == 0
     finally:
         server.close()
         await server.wait_closed()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from moriio_async import IOEngine, IOEngineConfig, MemoryDesc, Session
+from moriio_async import IOEngine, IOEngineConfig, MemoryDesc, MockOptions, Session
 
 from ..conftest import engine_backends
 
@@ -58,7 +58,7 @@ async def pair(backend: str) -> AsyncIterator[Pair]:
 @pytest.fixture
 async def held() -> AsyncIterator[Pair]:
     """A mock pair whose NIC runs a request only when the test says ``step``."""
-    a, b, p = await make_pair("mock", backend_extra={"hold": True})
+    a, b, p = await make_pair("mock", mock=MockOptions(hold=True))
     try:
         yield p
     finally:

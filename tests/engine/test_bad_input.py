@@ -17,6 +17,7 @@ from moriio_async import (
     MemoryDesc,
     MemoryInUse,
     SessionClosed,
+    TcpOptions,
 )
 
 from .conftest import Pair
@@ -48,7 +49,7 @@ async def test_a_bad_block_anywhere_in_a_batch_posts_none_of_it(pair: Pair) -> N
     offs = list(range(0, 100 * 64, 64))
     with pytest.raises(InvalidArgument, match="block 99"):
         pair.session.batch_write(offs, [*offs[:-1], 1 << 20], [64] * 100)
-    assert pair.session.statistics()["posted"] == 0
+    assert pair.session.statistics().posted == 0
 
 
 @pytest.mark.parametrize(
@@ -130,20 +131,20 @@ async def test_bad_addresses_and_configs() -> None:
         IOEngineConfig(transfer_timeout=0)
     with pytest.raises(InvalidArgument):
         IOEngineConfig(port=70000)
-    with pytest.raises(InvalidArgument, match="max_data_hellos"):
-        IOEngineConfig(max_data_hellos=0)
+    with pytest.raises(InvalidArgument, match=r"TcpOptions\.max_data_hellos"):
+        TcpOptions(max_data_hellos=0)
     # The TCP backend's cap on connections in their hello comes from the engine's config.
-    assert IOEngineConfig(max_data_hellos=3).backend_options().max_data_hellos == 3
+    assert IOEngineConfig(tcp=TcpOptions(max_data_hellos=3)).backend_options("tcp").specific == TcpOptions(3)
     for name in ("hello_timeout", "failure_lockout"):
         with pytest.raises(InvalidArgument, match=name):
             IOEngineConfig(**{name: 0})  # type: ignore[arg-type]
-    for name in ("max_hellos", "max_hellos_per_address", "max_data_hellos_per_address", "max_failures_per_source"):
+    with pytest.raises(InvalidArgument, match=r"TcpOptions\.max_data_hellos_per_address"):
+        TcpOptions(max_data_hellos_per_address=0)
+    for name in ("max_hellos", "max_hellos_per_address", "max_failures_per_source"):
         with pytest.raises(InvalidArgument, match=name):
             IOEngineConfig(**{name: 0})  # type: ignore[arg-type]
-    options = IOEngineConfig(
-        hello_timeout=2.0, max_data_hellos_per_address=5, max_failures_per_source=7, failure_lockout=9.0
-    ).backend_options()
-    assert (options.hello_timeout, options.max_data_hellos_per_address) == (2.0, 5)
+    options = IOEngineConfig(hello_timeout=2.0, max_failures_per_source=7, failure_lockout=9.0).backend_options("tcp")
+    assert options.hello_timeout == 2.0
     assert (options.max_failures_per_source, options.failure_lockout) == (7, 9.0)
     async with IOEngine("x", IOEngineConfig(backend="mock")) as e:
         with pytest.raises(InvalidArgument, match="host:port"):
@@ -165,11 +166,11 @@ async def test_calls_that_change_the_engine_are_refused_off_its_loop_thread(pair
         "announce_transfer": lambda: a.announce_transfer("b", 1),
         "drain_completions": a.drain_completions,
     }
-    regions = a.statistics()["regions"]
+    regions = a.statistics().regions
     for name, call in calls.items():
         with pytest.raises(InvalidArgument, match=f"IOEngine.{name} was called off the thread"):
             await asyncio.to_thread(call)
-    assert a.statistics()["regions"] == regions
+    assert a.statistics().regions == regions
     assert await asyncio.to_thread(a.allocate_transfer_uid) >= 0  # documented as safe from any thread
     assert await asyncio.to_thread(b.pop_inbound_transfer_status, "a", 1) is None  # nothing was announced
     await pair.session.write(0, 0, 64)  # "b" is still known, the region still registered

@@ -58,7 +58,7 @@ async def test_links_per_address_are_capped_at_accept_with_one_line(
     tight: Pair, caplog: pytest.LogCaptureFixture
 ) -> None:
     b = tight.b
-    held = [await hello(b.address, f"h{i}") for i in range(4 - b.statistics()["links"])]
+    held = [await hello(b.address, f"h{i}") for i in range(4 - b.statistics().peers.links)]
     assert all(h.welcomed for h in held)
     caplog.clear()
     for _ in range(20):
@@ -68,14 +68,14 @@ async def test_links_per_address_are_capped_at_accept_with_one_line(
         assert "max_links_per_address" in refusal["message"]
         assert await closed_by_peer(reader)
         await close(writer)
-    assert b.statistics()["refused_links"] == 20
+    assert b.statistics().guard.refused_links == 20
     assert len(warnings(caplog)) == 1 and "127.0.0.1" in warnings(caplog)[0]
     async with IOEngine("late", IOEngineConfig(backend=tight.a.backend_name)) as late:
         with pytest.raises(PeerError, match="max_links_per_address"):  # the refusal's reason, not a timeout
             await late.connect(b.address)
         for h in held:
             await h.close()
-        await until(lambda: b.statistics()["links"] <= 1)
+        await until(lambda: b.statistics().peers.links <= 1)
         assert (await late.connect(b.address)).engine.key == "b"
     await still_works(tight)
 
@@ -83,14 +83,14 @@ async def test_links_per_address_are_capped_at_accept_with_one_line(
 @pytest.mark.limits(max_links=3)
 async def test_accepted_links_are_capped_in_all(tight: Pair) -> None:
     b = tight.b
-    held = [await hello(b.address, f"h{i}") for i in range(3 - b.statistics()["links"])]
+    held = [await hello(b.address, f"h{i}") for i in range(3 - b.statistics().peers.links)]
     reader, writer = await open_raw(b.address)
     refusal = await read_message(reader)
     assert refusal["reason"] == "busy" and "max_links" in refusal["message"]
     await close(writer)
     for h in held:
         await h.close()
-    await until(lambda: b.statistics()["links"] == 1)
+    await until(lambda: b.statistics().peers.links == 1)
     await still_works(tight)
 
 
@@ -105,17 +105,17 @@ async def test_a_thousand_idle_links_within_the_caps_are_closed_after_the_idle_t
     for batch in range(10):  # a hundred at a time: the listen backlog is 128
         clients += await asyncio.gather(*(hello(b.address, f"idle{batch}-{i}") for i in range(100)))
     assert all(c.welcomed for c in clients)
-    assert b.statistics()["links"] == baseline["links"] + 1000
+    assert b.statistics().peers.links == baseline.peers.links + 1000
     async with IOEngine("legit", IOEngineConfig(backend=tight.a.backend_name)) as legit:
         assert (await legit.connect(b.address)).engine.key == "b"
     await still_works(tight)
-    await until(lambda: b.statistics()["links"] == baseline["links"], limit=20)
-    assert b.statistics()["idle_closed"] >= 1000
-    assert b.statistics()["refused_links"] == 0
+    await until(lambda: b.statistics().peers.links == baseline.peers.links, limit=20)
+    assert b.statistics().guard.idle_closed >= 1000
+    assert b.statistics().guard.refused_links == 0
     assert all([await closed_by_peer(c.reader) for c in clients])
     for c in clients:
         await c.close()
-    assert b.statistics()["answering_qps"] == baseline["answering_qps"]
+    assert b.statistics().peers.answering_qps == baseline.peers.answering_qps
     await still_works(tight)  # the session's link was never idle-closed: no reconnect needed
 
 
@@ -124,12 +124,12 @@ async def test_a_dialer_closes_its_idle_link_first_and_redials_when_needed(backe
     cfg = IOEngineConfig(backend=backend, link_idle_timeout=0.6, secret=secret)
     async with IOEngine("b", cfg) as b, IOEngine("a", cfg) as a:
         await a.connect(b.address)
-        await until(lambda: a.statistics()["links"] == 0 and b.statistics()["links"] == 0)
-        assert a.statistics()["idle_closed"] == 1  # the dialer's own close, at half the timeout
-        assert b.statistics()["idle_closed"] == 0  # so the listener never had to
+        await until(lambda: a.statistics().peers.links == 0 and b.statistics().peers.links == 0)
+        assert a.statistics().guard.idle_closed == 1  # the dialer's own close, at half the timeout
+        assert b.statistics().guard.idle_closed == 0  # so the listener never had to
         await a.notify("b", b"after the idle close")  # dials (and proves) again
         assert (await b.recv_notification(timeout=5)).data == b"after the idle close"
-        assert b.statistics()["auth_failures"] == 0
+        assert b.statistics().guard.auth_failures == 0
 
 
 @pytest.mark.limits(max_notifications=8, control_timeout=1.0)
@@ -143,9 +143,9 @@ async def test_a_notification_flood_pushes_back_on_the_sender(tight: Pair) -> No
         for _ in range(10_000):
             await a.notify("b", payload)
             sent += 1
-            assert b.statistics()["notifications"] <= 8
+            assert b.statistics().inbound.notifications <= 8
     assert 8 <= sent < 10_000
-    assert b.statistics()["notifications"] == 8
+    assert b.statistics().inbound.notifications == 8
     got = [await b.recv_notification(timeout=5) for _ in range(8)]
     assert all(n.data == payload for n in got)
 
@@ -156,13 +156,13 @@ async def test_a_hostile_notification_flood_is_held_to_the_limit(tight: Pair) ->
     said = await hello(b.address, "flood")
     flood = frame({"op": "notify", "data": "aGk="}) * 2000
     said.writer.write(flood)  # no drain: the engine stops reading once its inbox is full
-    await until(lambda: b.statistics()["notifications"] == 16)
+    await until(lambda: b.statistics().inbound.notifications == 16)
     await asyncio.sleep(0.1)
-    assert b.statistics()["notifications"] == 16
+    assert b.statistics().inbound.notifications == 16
     said.writer.transport.abort()
     # The application takes what was accepted; the link then reads on, finds the end, and goes.
     taken = 0
-    while b.statistics()["links"] > 1 or b.statistics()["notifications"]:
+    while b.statistics().peers.links > 1 or b.statistics().inbound.notifications:
         note = await b.recv_notification(timeout=5)
         assert note.peer == "flood"
         taken += 1
@@ -174,7 +174,7 @@ async def test_answering_pairs_per_link_are_capped(tight: Pair, backend: str) ->
     """Issue 8: 2,000 answering queue pairs from one link. Past the limit connect_qp is refused with a
     reason; closing one makes room; the pairs go when the link does."""
     b = tight.b
-    baseline = b.statistics()["answering_qps"]
+    baseline = b.statistics().peers.answering_qps
     said = await hello(b.address, "pairs", backend=backend)
     endpoint = {"backend": backend, "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 1}
     requests = [
@@ -187,11 +187,11 @@ async def test_answering_pairs_per_link_are_capped(tight: Pair, backend: str) ->
     refused = [r for r in replies if r["op"] == "error"]
     assert len(granted) == 16 and len(refused) == 184
     assert all("max_answering_qps_per_link" in r["message"] for r in refused)
-    assert b.statistics()["answering_qps"] == baseline + 16
+    assert b.statistics().peers.answering_qps == baseline + 16
     await said.send({"op": "close_qp", "qp": granted[0]["qp"]}, requests[0] | {"id": 999})
     assert (await read_message(said.reader))["op"] == "qp"
     await said.close()
-    await until(lambda: b.statistics()["answering_qps"] == baseline)
+    await until(lambda: b.statistics().peers.answering_qps == baseline)
     await still_works(tight)
 
 
@@ -202,7 +202,7 @@ async def test_connect_qp_naming_a_blackhole_cannot_block_a_legitimate_session(t
     answering connects run on their own executor, one per link at a time, so a legitimate session is
     made while the hostile connects still hang."""
     b = tight.b
-    baseline = b.statistics()["links"]
+    baseline = b.statistics().peers.links
     blackhole = socket.create_server(("127.0.0.1", 0), backlog=64)  # connects complete; nothing ever answers
     try:
         said = await hello(b.address, "hostile", backend=backend)
@@ -218,7 +218,7 @@ async def test_connect_qp_naming_a_blackhole_cannot_block_a_legitimate_session(t
         await said.close()
     finally:
         blackhole.close()
-    await until(lambda: b.statistics()["links"] == baseline + 1, limit=10)  # a's second link stays
+    await until(lambda: b.statistics().peers.links == baseline + 1, limit=10)  # a's second link stays
     await still_works(tight)
 
 
@@ -247,9 +247,9 @@ async def test_deeply_nested_frames_from_many_connections_leave_nothing(
 
     for _ in range(40):  # 25 at a time: within max_links_per_address (64)
         await asyncio.gather(*(one(after_hello=bool(i % 2)) for i in range(25)))
-    await until(lambda: b.statistics()["links"] == baseline["links"])
+    await until(lambda: b.statistics().peers.links == baseline.peers.links)
     stats = b.statistics()
-    assert stats["bad_frames"] + stats["rogue_hellos"] - baseline["rogue_hellos"] >= 1000
+    assert stats.guard.bad_frames + stats.guard.rogue_hellos - baseline.guard.rogue_hellos >= 1000
     assert len(warnings(caplog)) <= 2  # one per kind (hello refused, bad frame) per address per interval
     assert no_tracebacks(caplog)
     await still_works(pair)
@@ -269,11 +269,11 @@ async def test_close_qp_with_a_bad_field_is_one_line_and_no_traceback(
         reply = await read_message(said.reader)
         assert (reply["op"], reply["reason"]) == ("error", "frame")
         await said.close()
-    await until(lambda: b.statistics()["links"] == baseline["links"])
-    assert b.statistics()["bad_frames"] == baseline["bad_frames"] + 50
+    await until(lambda: b.statistics().peers.links == baseline.peers.links)
+    assert b.statistics().guard.bad_frames == baseline.guard.bad_frames + 50
     assert len(warnings(caplog)) == 1
     assert no_tracebacks(caplog)
-    assert b.statistics()["answering_qps"] == baseline["answering_qps"]
+    assert b.statistics().peers.answering_qps == baseline.peers.answering_qps
 
 
 @pytest.mark.limits(max_key=64, max_peers=4)
@@ -293,8 +293,8 @@ async def test_long_keys_are_refused_and_forgotten_peers_are_pruned(tight: Pair)
         said = await hello(b.address, f"peer-{i}")
         assert said.welcomed
         await said.close()
-    await until(lambda: b.statistics()["links"] == 1)
-    assert b.statistics()["peers"] <= 4
+    await until(lambda: b.statistics().peers.links == 1)
+    assert b.statistics().peers.peers <= 4
     await b.notify("a", b"a is never pruned while its link is open")
     assert (await tight.a.recv_notification(timeout=5)).peer == "b"
 
@@ -319,7 +319,7 @@ async def test_a_trickled_message_has_one_deadline_not_one_per_byte(backend: str
             finally:
                 trickling.cancel()
                 await close(writer)
-        await until(lambda: b.statistics()["links"] == 0)
+        await until(lambda: b.statistics().peers.links == 0)
 
 
 async def trickle(writer: asyncio.StreamWriter, data: bytes) -> None:

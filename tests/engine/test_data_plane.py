@@ -95,7 +95,7 @@ async def test_deregistering_under_a_trickled_write_does_not_stall_the_loop(
             assert np.array_equal(target, snapshot), "a byte landed after deregister_memory returned"
             assert gaps.longest < 0.1, f"the loop stood still {gaps.longest * 1000:.0f} ms"
             assert b.describe_backend()["data_plane"]["aborted_requests"] == 1
-            assert b.statistics()["data_plane"]["aborted_requests"] == 1
+            assert b.statistics().data_plane["aborted_requests"] == 1
     finally:
         sock.close()
         await said.close()
@@ -129,11 +129,11 @@ async def test_unexported_rkeys_are_refused_counted_per_peer_and_logged_at_a_rat
         sock.close()
     loop = asyncio.get_running_loop()
     give_up = loop.time() + 5
-    while b.statistics()["access_errors"].get("hostile", 0) < 12:
-        assert loop.time() < give_up, b.statistics()["access_errors"]
+    while b.statistics().guard.access_errors.get("hostile", 0) < 12:
+        assert loop.time() < give_up, b.statistics().guard.access_errors
         await asyncio.sleep(0.01)
     assert b.describe_backend()["data_plane"]["access_errors"] == 12
-    assert b.statistics()["data_plane"]["access_errors"] == 12
+    assert b.statistics().data_plane["access_errors"] == 12
     lines = [r for r in caplog.records if "remote access refused" in r.getMessage()]
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]  # one per logger (engine, backend) per interval
     assert any("hostile" in r.getMessage() for r in lines)
@@ -168,7 +168,7 @@ async def test_rkey_guesses_past_the_budget_each_wait_and_an_honest_mistake_cost
             assert (await asyncio.to_thread(dw.response, sock)).status == dw.REM_ACCESS_ERR
             sock.close()
             await said.send({"op": "close_qp", "qp": endpoint["qp_num"]})
-        data_plane = b.statistics()["data_plane"]
+        data_plane = b.statistics().data_plane
         assert (data_plane["access_errors"], data_plane["lockouts"]) == (15, 1)
         assert data_plane["delayed"] == 10, "every data connection past the budget waited before it was heard"
         await said.close()
@@ -185,4 +185,4 @@ async def test_rkey_guesses_past_the_budget_each_wait_and_an_honest_mistake_cost
         session = await a.create_session(mine, peer.memory["kept"])
         await waiting_for_transfer_complete([session.read(0, 0, 4096)], timeout=10)
         assert (local == 9).all()
-        assert b.statistics()["data_plane"]["delayed"] == 10
+        assert b.statistics().data_plane["delayed"] == 10

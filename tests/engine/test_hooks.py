@@ -7,7 +7,16 @@ import contextlib
 
 import pytest
 
-from moriio_async import EngineClosed, InvalidArgument, IOEngine, IOEngineConfig, StatusCode, TransferFailed, WcStatus
+from moriio_async import (
+    EngineClosed,
+    InvalidArgument,
+    IOEngine,
+    IOEngineConfig,
+    MockOptions,
+    StatusCode,
+    TransferFailed,
+    WcStatus,
+)
 from moriio_async.control.inbound import InboundStatuses
 from moriio_async.engine.uids import TransferUids
 
@@ -49,8 +58,8 @@ async def test_uid_round_trip_for_every_transfer_call(pair: Pair) -> None:
         assert await b.wait_inbound_transfer_status("a", uid, timeout=5) is StatusCode.SUCCESS
         assert b.pop_inbound_transfer_status("a", uid) is None  # returned once
     assert b.pop_inbound_transfer_status("someone-else", uids[0]) is None
-    assert b.statistics()["inbound_statuses"] == 0
-    assert a.statistics()["uids_in_flight"] == 0
+    assert b.statistics().inbound.statuses == 0
+    assert a.statistics().uids_in_flight == 0
 
 
 async def test_transfers_without_a_uid_send_nothing(pair: Pair) -> None:
@@ -58,7 +67,7 @@ async def test_transfers_without_a_uid_send_nothing(pair: Pair) -> None:
     assert t.uid is None
     await t
     await settled(pair.b, pair.a)
-    assert pair.b.statistics()["inbound_statuses"] == 0
+    assert pair.b.statistics().inbound.statuses == 0
 
 
 async def test_a_caller_chosen_uid_works_and_may_be_reused_once_ended(pair: Pair) -> None:
@@ -108,7 +117,7 @@ async def test_a_call_refused_for_bad_input_leaves_its_uid_free(pair: Pair) -> N
     for call in refused:
         with pytest.raises(InvalidArgument):
             call()
-        assert pair.a.statistics()["uids_in_flight"] == 0
+        assert pair.a.statistics().uids_in_flight == 0
     t = s.batch_write([0, 64], [0, 64], [8, 8], uid=5)  # free: the first good call with it goes through
     await t
     assert t.uid == 5
@@ -132,7 +141,7 @@ async def test_inbound_statuses_are_bounded_per_initiator_oldest_dropped() -> No
         await a.waiting_for_transfer_complete([p.session.write(0, 0, 8, uid=u) for u in range(5)], timeout=5)
         await settled(b, a)
         assert [b.pop_inbound_transfer_status("a", u) for u in range(5)] == [None, None] + [StatusCode.SUCCESS] * 3
-        assert b.statistics()["inbound_dropped"] == 2
+        assert b.statistics().inbound.dropped == 2
     finally:
         await a.close()
         await b.close()
@@ -189,7 +198,7 @@ async def test_a_restarted_initiator_starts_with_no_statuses(backend: str) -> No
 async def test_a_transfer_to_a_restarted_target_is_not_filed_by_its_new_incarnation() -> None:
     """A transfer with uid 3 to b's first incarnation ends after b restarted (same key, same uids to come):
     its done notice belongs to the engine that is gone, never to the new one."""
-    a, b, p = await make_pair("mock", backend_extra={"hold": True})
+    a, b, p = await make_pair("mock", mock=MockOptions(hold=True))
     b2: IOEngine | None = None
     try:
         qp = p.session.channel.qp
@@ -204,7 +213,7 @@ async def test_a_transfer_to_a_restarted_target_is_not_filed_by_its_new_incarnat
             await asyncio.wait_for(t, 5)
         await settled(b2, a)
         assert b2.pop_inbound_transfer_status("a", 3) is None
-        assert b2.statistics()["inbound_statuses"] == 0
+        assert b2.statistics().inbound.statuses == 0
     finally:
         await a.close()
         if b2 is not None:
@@ -305,9 +314,9 @@ async def test_done_notices_to_a_peer_that_stops_reading_are_dropped_not_buffere
             b.announce_transfer("deaf", uid)
             if uid % 1000 == 999:
                 await asyncio.sleep(0)  # let each burst be written
-                if b.statistics()["done_dropped"]:
+                if b.statistics().inbound.done_dropped:
                     break
-        assert b.statistics()["done_dropped"] > 0
+        assert b.statistics().inbound.done_dropped > 0
         await peer.close()
 
 
@@ -320,6 +329,6 @@ async def test_statuses_of_pruned_peers_go_with_them(backend: str) -> None:
             await peer.send({"op": "notify", "data": wire.b64(b"sync")})
             assert (await b.recv_notification(timeout=5)).data == b"sync"
             await peer.close()
-        await wire.until(lambda: b.statistics()["peers"] <= 2)
-        assert b.statistics()["inbound_statuses"] <= 2 * 2
+        await wire.until(lambda: b.statistics().peers.peers <= 2)
+        assert b.statistics().inbound.statuses <= 2 * 2
         assert b.pop_inbound_transfer_status("p4", 3) is StatusCode.SUCCESS  # the latest peer's are kept

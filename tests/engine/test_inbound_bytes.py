@@ -110,10 +110,10 @@ async def test_an_engine_keeps_its_inbound_statuses_under_max_inbound_status_byt
         await a.waiting_for_transfer_complete([p.session.write(0, 0, 8, uid=u) for u in range(5)], timeout=5)
         await settled(b, a)
         stats = b.statistics()
-        assert stats["inbound_statuses"] == 2 and stats["inbound_status_bytes"] == two
-        assert stats["inbound_dropped"] == 3 and stats["inbound_dropped_for_bytes"] == 3
+        assert stats.inbound.statuses == 2 and stats.inbound.status_bytes == two
+        assert stats.inbound.dropped == 3 and stats.inbound.dropped_for_bytes == 3
         assert [b.pop_inbound_transfer_status("a", u) for u in range(5)] == [None] * 3 + [StatusCode.SUCCESS] * 2
-        assert b.statistics()["inbound_status_bytes"] == 0
+        assert b.statistics().inbound.status_bytes == 0
     finally:
         await a.close()
         await b.close()

@@ -57,9 +57,9 @@ async def test_a_legitimate_peer_gets_in_while_a_thousand_unauthenticated_socket
             assert desc_b.length == 1 << 16
             stats = b.statistics()
             if port == "control":
-                assert stats["evicted_hellos"] >= 1, "the crowd was held at the control port"
+                assert stats.guard.evicted_hellos >= 1, "the crowd was held at the control port"
             else:
-                assert stats["data_plane"]["evicted_hellos"] >= 1, "the crowd was held at the data port"
+                assert stats.data_plane["evicted_hellos"] >= 1, "the crowd was held at the data port"
 
 
 async def test_idle_links_that_said_a_valid_hello_cannot_fill_max_links(backend: str) -> None:
@@ -72,11 +72,11 @@ async def test_idle_links_that_said_a_valid_hello_cannot_fill_max_links(backend:
             await hello(b.address, f"idle{i}", backend=backend, secret=None, source=f"127.5.0.{i + 1}")
             for i in range(40)
         ]
-        assert all(h.welcomed for h in held) and b.statistics()["links"] == 40
+        assert all(h.welcomed for h in held) and b.statistics().peers.links == 40
         await asyncio.sleep(0.6)  # idle past the grace (half the 1 s hello deadline)
         for _ in range(3):
             assert (await a.connect(b.address)).engine.key == "b"
         stats = b.statistics()
-        assert stats["evicted_idle_links"] == 3 and stats["links"] == 40 and stats["refused_links"] == 0
+        assert stats.guard.evicted_idle_links == 3 and stats.peers.links == 40 and stats.guard.refused_links == 0
         for h in held:
             await h.close()

@@ -58,10 +58,10 @@ async def test_bad_control_frames_from_a_thousand_addresses_give_a_few_lines(
                 *(bad_frame_from(source(i), host, int(port), frame({"op": "memory", "id": 1}))
                   for i in range(batch, batch + 50))
             )  # fmt: skip
-        await until(lambda: b.statistics()["rogue_hellos"] >= ADDRESSES)
+        await until(lambda: b.statistics().guard.rogue_hellos >= ADDRESSES)
         lines = warnings(caplog)
         assert len(lines) <= GLOBAL_BURST, f"{len(lines)} lines for {ADDRESSES} bad frames"
-        assert b.statistics()["suppressed_log_lines"] >= ADDRESSES - GLOBAL_BURST
+        assert b.statistics().suppressed_log_lines >= ADDRESSES - GLOBAL_BURST
 
 
 async def test_bad_data_port_hellos_from_a_thousand_addresses_give_a_few_lines(

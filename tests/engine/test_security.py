@@ -42,7 +42,7 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 async def test_with_a_secret_everything_works_as_before(secured: Pair) -> None:
     p = secured
-    assert p.a.statistics()["authenticated"] and p.b.statistics()["authenticated"]
+    assert p.a.statistics().authenticated and p.b.statistics().authenticated
     p.buf_b[:4096] = 7
     await waiting_for_transfer_complete([p.session.read(0, 0, 4096)], timeout=10)
     assert (p.buf_a[:4096] == 7).all()
@@ -53,7 +53,7 @@ async def test_with_a_secret_everything_works_as_before(secured: Pair) -> None:
     await p.b.notify("a", b"to a")  # over the link a dialed and proved
     assert (await p.b.recv_notification(timeout=5)).data == b"to b"
     assert (await p.a.recv_notification(timeout=5)).data == b"to a"
-    assert p.b.statistics()["rogue_hellos"] == 0
+    assert p.b.statistics().guard.rogue_hellos == 0
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ async def test_without_the_secret_a_client_can_neither_list_read_nor_write(
     elif attempt == "no-proof":
         said = await hello(b.address, "intruder", secret=None, auth=True, prove=False)
         await said.close()  # walks away after the challenge
-        await until(lambda: b.statistics()["links"] == before["links"])
+        await until(lambda: b.statistics().peers.links == before.peers.links)
         reader, writer, replies = said.reader, said.writer, said.replies
     else:
         secret = OTHER if attempt == "bad-proof" else None
@@ -95,15 +95,15 @@ async def test_without_the_secret_a_client_can_neither_list_read_nor_write(
         assert replies[-1]["reason"] == ("handshake" if attempt.endswith("-first") else "auth")
         assert await closed_by_peer(reader)
     writer.close()
-    await until(lambda: b.statistics()["links"] == before["links"])
+    await until(lambda: b.statistics().peers.links == before.peers.links)
     after = b.statistics()
-    assert (after["peers"], after["answering_qps"], after["notifications"]) == (
-        before["peers"],
-        before["answering_qps"],
-        before["notifications"],
+    assert (after.peers.peers, after.peers.answering_qps, after.inbound.notifications) == (
+        before.peers.peers,
+        before.peers.answering_qps,
+        before.inbound.notifications,
     )
-    assert after["rogue_hellos"] == before["rogue_hellos"] + 1
-    assert after["auth_failures"] == before["auth_failures"] + (not attempt.endswith("-first"))
+    assert after.guard.rogue_hellos == before.guard.rogue_hellos + 1
+    assert after.guard.auth_failures == before.guard.auth_failures + (not attempt.endswith("-first"))
     lines = warnings(caplog)
     assert len(lines) == 1 and "127.0.0.1" in lines[0], lines
     assert not any(r.exc_info for r in caplog.records), "a refused hello logged a traceback"
@@ -114,8 +114,8 @@ async def test_an_engine_without_the_secret_or_with_another_one_cannot_connect(s
         async with IOEngine("intruder", IOEngineConfig(backend=backend, secret=secret)) as intruder:
             with pytest.raises(AuthenticationError):
                 await intruder.connect(secured.b.address)
-            assert intruder.statistics()["peers"] == 0
-    assert secured.b.statistics()["peers"] == 1
+            assert intruder.statistics().peers.peers == 0
+    assert secured.b.statistics().peers.peers == 1
 
 
 @pytest.mark.parametrize("side", ["dialer", "listener"])
@@ -134,8 +134,8 @@ async def test_a_secret_on_one_side_only_fails_the_hello_saying_so_on_both_sides
         assert said in str(err.value)
         assert "MORIIO_ASYNC_SECRET" in str(err.value)  # the hint says how to make them agree
         assert [said in line for line in warnings(caplog)] == [True]  # the listener says it too, once
-        assert listener.statistics()["auth_failures"] == 1
-        assert (listener.statistics()["peers"], dialer.statistics()["peers"]) == (0, 0)
+        assert listener.statistics().guard.auth_failures == 1
+        assert (listener.statistics().peers.peers, dialer.statistics().peers.peers) == (0, 0)
 
 
 async def test_impersonation_under_another_engines_key_changes_nothing(
@@ -162,11 +162,11 @@ async def test_impersonation_under_another_engines_key_changes_nothing(
         await said.send({"op": "notify", "data": "ZXZpbA=="})
         assert await closed_by_peer(said.reader)
         await said.close()
-    await until(lambda: p.b.statistics()["links"] == before["links"])
+    await until(lambda: p.b.statistics().peers.links == before.peers.links)
     after = p.b.statistics()
-    assert after["impersonations"] == before["impersonations"] + 3
-    assert after["answering_qps"] == before["answering_qps"], "a's answering pair was closed"
-    assert after["notifications"] == 0, "the impostor's notification was delivered"
+    assert after.guard.impersonations == before.guard.impersonations + 3
+    assert after.peers.answering_qps == before.peers.answering_qps, "a's answering pair was closed"
+    assert after.inbound.notifications == 0, "the impostor's notification was delivered"
     # a's session still works, and b's notifications still reach a, and only a.
     await waiting_for_transfer_complete([p.session.read(0, 0, 4096)], timeout=10)
     await p.b.notify("a", b"for a")
@@ -192,16 +192,16 @@ async def test_with_a_secret_an_older_incarnation_is_refused_and_a_newer_one_sup
         if secret:
             assert (older.last["op"], older.last["reason"]) == ("error", "stale")
             assert await closed_by_peer(older.reader)
-            assert b.statistics()["links"] == 1
+            assert b.statistics().peers.links == 1
             newer = await hello(b.address, "x", incarnation=1001, secret=as_b)
         else:
             newer = older  # it superseded the first
         assert newer.welcomed
         assert await closed_by_peer(first.reader), "the superseded incarnation's link stayed open"
-        await until(lambda: b.statistics()["links"] == 1)
+        await until(lambda: b.statistics().peers.links == 1)
         for said in (first, older, newer):
             await said.close()
-        await until(lambda: b.statistics()["links"] == 0)
+        await until(lambda: b.statistics().peers.links == 0)
 
 
 async def test_incarnations_grow_with_start_time() -> None:
@@ -256,7 +256,7 @@ async def test_a_listener_that_does_not_authenticate_is_refused_by_a_dialer_that
         async with IOEngine("dialer", IOEngineConfig(backend=backend, secret=SECRET)) as dialer:
             with pytest.raises(AuthenticationError, match="did not authenticate"):
                 await dialer.connect(f"127.0.0.1:{port}")
-            assert dialer.statistics()["peers"] == 0
+            assert dialer.statistics().peers.peers == 0
     finally:
         server.close()
         await server.wait_closed()
@@ -274,13 +274,13 @@ async def test_proof_guesses_past_the_budget_each_wait_and_one_mistake_costs_not
             assert (said.replies[0]["op"], said.last["op"], said.last["reason"]) == ("challenge", "error", "auth")
             await said.close()
         stats = b.statistics()
-        assert (stats["auth_failures"], stats["lockouts"], stats["delayed"]) == (15, 1, 10)
+        assert (stats.guard.auth_failures, stats.guard.lockouts, stats.guard.delayed) == (15, 1, 10)
         mistake = await hello(b.address, "a", secret=SECRET, bad_proof=True)  # 127.0.0.1, once
         assert mistake.last["reason"] == "auth"
         await mistake.close()
         assert (await a.connect(b.address)).engine.key == "b"
-        assert b.statistics()["delayed"] == 10, "one mistake costs nothing"
+        assert b.statistics().guard.delayed == 10, "one mistake costs nothing"
         honest = await hello(b.address, "c", secret=SECRET, source="127.0.0.2")
         assert honest.welcomed, "an honest peer behind the guesser's address is delayed, not refused"
         await honest.close()
-        assert b.statistics()["delayed"] == 11
+        assert b.statistics().guard.delayed == 11

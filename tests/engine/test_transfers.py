@@ -64,8 +64,8 @@ async def test_more_transfers_than_send_queue_slots_all_succeed_in_order(backend
         await waiting_for_transfer_complete(ts, timeout=20)
         assert done_order == [t.id for t in ts]
         stats = p.session.statistics()
-        assert stats["max_in_flight"] <= 8
-        assert stats["in_flight"] == 0 and stats["waiting"] == 0
+        assert stats.max_in_flight <= 8
+        assert stats.in_flight == 0 and stats.waiting == 0
         assert a.outstanding == 0
     finally:
         await a.close()
@@ -111,12 +111,12 @@ async def test_failed_pair_is_replaced_for_later_transfers(pair: Pair) -> None:
     pair.b.deregister_memory(pair.desc_b)
     with pytest.raises(TransferFailed):
         await pair.session.read(0, 0, 16)
-    first_qp = pair.session.statistics()["qp_num"]
+    first_qp = pair.session.statistics().qp_num
     # The region is still gone, but the failure must come from a fresh queue pair.
     with pytest.raises(TransferFailed) as info:
         await pair.session.read(0, 0, 16)
     assert info.value.wc_status is WcStatus.REM_ACCESS_ERR
-    assert pair.session.statistics()["qp_num"] != first_qp
+    assert pair.session.statistics().qp_num != first_qp
     peer = await pair.a.connect(pair.b.address)
     s2 = await pair.a.create_session(pair.desc_a, peer.memory["other"])
     other[:] = 9

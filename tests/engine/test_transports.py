@@ -58,11 +58,11 @@ async def round_trip(a: IOEngine, b: IOEngine) -> str:
     await waiting_for_transfer_complete([session.batch_write([0, SIZE // 2], [0, SIZE // 2], [SIZE // 2] * 2)], 10)
     assert np.array_equal(src, expected)
     stats = session.statistics()
-    assert stats["transport"] == session.transport
+    assert stats.transport == session.transport
     assert f"over {session.transport}" in repr(session)
-    assert a.statistics()["peer_transports"][b.key] == session.transport
+    assert a.statistics().peer_transports[b.key] == session.transport
     # The target knows it too: the pairs a opened to it run on that transport.
-    assert b.statistics()["answering_transports"][a.key] == session.transport
+    assert b.statistics().answering_transports[a.key] == session.transport
     return session.transport
 
 
@@ -107,7 +107,7 @@ async def test_a_pair_asked_on_a_transport_the_target_lacks_is_refused() -> None
         reply = await read_message(said.reader)
         await said.close()
         assert reply["op"] == "error" and "no cma transport" in reply["message"], reply
-        assert b.statistics()["answering_qps"] == 0
+        assert b.statistics().peers.answering_qps == 0
 
 
 def test_backends_must_name_distinct_known_backends() -> None:

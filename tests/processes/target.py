@@ -59,7 +59,7 @@ async def main(backend: str) -> None:
                 except TimeoutError:
                     reply({"code": None})
             elif cmd == "stats":
-                reply({k: v for k, v in engine.statistics().items() if isinstance(v, int)})
+                reply(engine.statistics().figures())
             elif cmd == "exit":
                 reply({"ok": True})
                 return

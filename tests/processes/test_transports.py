@@ -38,7 +38,7 @@ async def test_two_processes_choose_cma_by_themselves_and_move_256_mib_both_ways
             assert np.array_equal(local, expected)
             np.bitwise_not(local, out=local)
             await waiting_for_transfer_complete([session.batch_write(blocks, blocks, [16 * MiB] * 16)], timeout=60)
-            assert engine.statistics()["peer_transports"] == {"target": "cma"}
+            assert engine.statistics().peer_transports == {"target": "cma"}
         digest = (await target.call(cmd="digest", name="kv"))["sha256"]
         assert digest == hashlib.sha256(np.bitwise_not(expected)).hexdigest()
     finally:

@@ -25,7 +25,7 @@ with warnings.catch_warnings():
 FAULTS = {
     "mock": "held requests stepped by the test, fail_next, vanish, silent completion queue",
     "tcp": "fault plans at the backend's hook seam (delay, status, drop, stall, kill)",
-    "verbs": "fault plans in backend_extra, applied at the initiator's pairs (delay, status, drop, stall; no kill)",
+    "verbs": "fault plans in VerbsOptions, applied at the initiator's pairs (delay, status, drop, stall; no kill)",
 }
 """Which backends can inject faults, and how (test_real_faults.py uses tcp's and verbs')."""
 

@@ -1,6 +1,6 @@
 """The oracle for the held mock NIC, and the strategies that drive it.
 
-With ``extra={"hold": True}`` the mock queue pair keeps every posted request
+With ``MockOptions(hold=True)`` the mock queue pair keeps every posted request
 until the test calls ``step``; ``HeldModel`` computes, from the same calls,
 what each transfer's outcome must be. The properties compare the runtime's
 answers with it. It assumes every request was posted at once (the send
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from moriio_async import Session, Transfer, WcStatus
+from moriio_async import MockOptions, Session, Transfer, WcStatus
 from moriio_async.backends.mock import MockQueuePair
 
 from ..engine.conftest import Pair, make_pair
@@ -141,7 +141,7 @@ def observed(t: Transfer) -> WcStatus | None:
 async def held_pair(silent: bool = False, **config: object) -> AsyncIterator[Pair]:
     """Two mock engines whose NIC runs a request only when the test steps it."""
     config.setdefault("abort_timeout", 1.0)  # a runtime broken on purpose should fail fast, not hang in abort
-    a, b, p = await make_pair("mock", backend_extra={"hold": True, "silent_cq": silent}, **config)
+    a, b, p = await make_pair("mock", mock=MockOptions(hold=True, silent_cq=silent), **config)
     try:
         yield p
     finally:

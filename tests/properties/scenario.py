@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from moriio_async import MemoryInUse, Transfer, TransferError, WcStatus, waiting_for_transfer_complete
+from moriio_async import MemoryInUse, MockOptions, Transfer, TransferError, WcStatus, waiting_for_transfer_complete
 
 from ..engine.conftest import make_pair
 from .clock import VirtualClock
@@ -120,9 +120,7 @@ class Result:
 async def run(sc: Scenario) -> Result:
     loop = asyncio.get_running_loop()
     total = sum(sc.wrs)
-    a, b, p = await make_pair(
-        "mock", backend_extra={"hold": True, "silent_cq": sc.silent}, sq_depth=total + sc.extra_depth
-    )
+    a, b, p = await make_pair("mock", mock=MockOptions(hold=True, silent_cq=sc.silent), sq_depth=total + sc.extra_depth)
     try:
         with VirtualClock(loop) as clock:
             timeout = 0.0 if sc.zero else sc.t_virtual if clock.virtual else sc.t_real

@@ -49,7 +49,7 @@ async def test_more_transfers_than_slots_wait_for_room_and_never_fail_for_it(
         assert highest <= depth
         assert [observed(t) for t in ts] == [WcStatus.SUCCESS] * len(ts)
         assert ended == [t.id for t in ts]
-        assert p.session.statistics()["max_in_flight"] <= depth
+        assert p.session.statistics().max_in_flight <= depth
 
 
 @settings(max_examples=slow_examples(5))
@@ -69,5 +69,5 @@ async def test_backpressure_on_a_real_backend(backend: str, depth: int, n: int, 
             t.add_done_callback(lambda t: ended.append(t.id))
         await waiting_for_transfer_complete(ts, timeout=60)
         assert ended == [t.id for t in ts]
-        assert p.session.statistics()["max_in_flight"] <= depth
+        assert p.session.statistics().max_in_flight <= depth
         assert (p.buf_b[: n * blocks * 2 * size].reshape(-1, 2 * size)[:, :size] == p.buf_a[0]).all()

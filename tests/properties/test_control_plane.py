@@ -176,11 +176,11 @@ async def hostile(address: str, data: bytes, leave: str) -> None:
 
 
 def links(engine: IOEngine) -> int:
-    return int(engine.statistics()["links"])
+    return int(engine.statistics().peers.links)
 
 
 def answering(engine: IOEngine) -> int:
-    return int(engine.statistics()["answering_qps"])
+    return int(engine.statistics().peers.answering_qps)
 
 
 async def settled_links(engine: IOEngine, baseline: int, limit: float = 5.0) -> None:
@@ -231,17 +231,17 @@ async def test_hostile_frames_never_kill_the_listener_or_leave_half_a_peer(
         tasks, fds, thread_count = len(asyncio.all_tasks()), open_fds(), threads()
         for talk in talks:
             await hostile(p.b.address, talk.render(p.b.incarnation), talk.leave)
-        await settled_links(p.b, baseline["links"])
+        await settled_links(p.b, baseline.peers.links)
         gc.collect()  # a task that died with an exception reports it to the loop when collected
         after = p.b.statistics()
-        assert after["links"] == baseline["links"], "a hostile connection's link outlived it"
-        assert after["answering_qps"] == baseline["answering_qps"], "a hostile peer's answering pair outlived it"
-        assert (after["channels"], after["sessions"]) == (baseline["channels"], baseline["sessions"])
+        assert after.peers.links == baseline.peers.links, "a hostile connection's link outlived it"
+        assert after.peers.answering_qps == baseline.peers.answering_qps, "a hostile peer's answering pair outlived it"
+        assert (after.router.channels, after.sessions) == (baseline.router.channels, baseline.sessions)
         if secret:
-            assert after["peers"] == baseline["peers"], "a hello that proved nothing left a peer entry"
-            assert after["notifications"] == 0, "a notification from a link that proved nothing was delivered"
+            assert after.peers.peers == baseline.peers.peers, "a hello that proved nothing left a peer entry"
+            assert after.inbound.notifications == 0, "a notification from a link that proved nothing was delivered"
         else:
-            assert after["peers"] <= 2, "peers without links were not pruned to max_peers"
+            assert after.peers.peers <= 2, "peers without links were not pruned to max_peers"
         assert await settled(lambda: len(asyncio.all_tasks()), tasks) == tasks, "a task outlived its connection"
         assert await settled(open_fds, fds) == fds, "a file descriptor outlived its connection"
         assert await settled(threads, thread_count) == thread_count, "a thread outlived its connection"

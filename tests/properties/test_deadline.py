@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from hypothesis import example, given
 
-from moriio_async import TransferError, TransferFailed, WcStatus, waiting_for_transfer_complete
+from moriio_async import MockOptions, TransferError, TransferFailed, WcStatus, waiting_for_transfer_complete
 
 from ..engine.conftest import make_pair
 from .conftest import needs_held_mock
@@ -110,7 +110,7 @@ async def test_error_lists_exactly_what_had_not_succeeded_at_the_deadline(sc: Sc
 async def test_fail_fast_wait_that_reaches_its_deadline_lists_the_timeouts_too() -> None:
     """Found by the accounting property: with fail_fast, a failure that is first seen by the wait's
     final drain (its completion sat in the CQ) must not hide the transfers that timed out."""
-    a, b, p = await make_pair("mock", backend_extra={"hold": True, "silent_cq": True})
+    a, b, p = await make_pair("mock", mock=MockOptions(hold=True, silent_cq=True))
     try:
         first, second = p.session.read(0, 0, 8), p.session.read(16, 16, 8)
         qp = held_qp(p.session)
@@ -128,7 +128,7 @@ async def test_fail_fast_wait_that_reaches_its_deadline_lists_the_timeouts_too()
 async def test_fail_fast_wait_ends_at_once_when_a_transfer_had_already_failed() -> None:
     """With fail_fast, a failure known before the wait began ends the wait at once, as the first
     failure does while waiting: the caller is not held to the deadline by the others."""
-    a, b, p = await make_pair("mock", backend_extra={"hold": True})
+    a, b, p = await make_pair("mock", mock=MockOptions(hold=True))
     try:
         first, second = p.session.read(0, 0, 8), p.session.read(16, 16, 8)
         qp = held_qp(p.session)

@@ -68,7 +68,7 @@ async def test_every_transfer_ends_exactly_once_and_abort_leaves_nothing_held(
         assert all(t.done() for t in ts)
         assert ends == Counter(t.id for t in ts), "a transfer ended twice, or never"
         stats = p.session.statistics()
-        assert stats["in_flight"] == 0 and stats["waiting"] == 0
+        assert stats.in_flight == 0 and stats.waiting == 0
         assert p.a.outstanding == 0
         # The session is usable again. (If the peer vanished while the pair was idle, nothing told the
         # runtime, abort had nothing to do, and the next transfer is the one that finds out; the one

@@ -2,7 +2,7 @@
 
 On the TCP backend (real sockets and threads) the plan's hooks act in both
 engines; on verbs (the Soft-RoCE guest) the initiator's backend takes the
-whole plan through ``backend_extra`` and applies it at its queue pairs
+whole plan through ``VerbsOptions.fault_plan`` and applies it at its queue pairs
 (``backends/verbs/faults.py``; no kill rules there). In this process (both
 loops) and across two processes started by ``moriio-async faults`` (where a
 TCP plan may also kill the target). Fewer examples than the deterministic
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moriio_async import IOEngine, IOEngineConfig
+from moriio_async import IOEngine, IOEngineConfig, VerbsOptions
 from moriio_async.backends.tcp import PlanHooks
 from moriio_async.cli.faults import pattern, run_batch, tcp_config
 from moriio_async.core.faultplan import Action, FaultPlan
@@ -56,7 +56,7 @@ async def in_process(
     gives the whole plan to the initiator's backend."""
     if backend == "verbs":
         target_cfg = IOEngineConfig(backend="verbs", retry_timeout=retry)
-        initiator_cfg = IOEngineConfig(backend="verbs", retry_timeout=retry, backend_extra={"fault_plan": plan})
+        initiator_cfg = IOEngineConfig(backend="verbs", retry_timeout=retry, verbs=VerbsOptions(fault_plan=plan))
         async with IOEngine("faults-target", target_cfg) as target, IOEngine("faults-initiator", initiator_cfg) as ini:
             target.register_memory(pattern(n * 4096), name="kv")
             return await run_batch(ini, target.address, transfers=n, size=4096, op=op, timeout=timeout, fail_fast=False)

@@ -30,6 +30,7 @@ from moriio_async import (
     IOEngineConfig,
     MemoryDesc,
     MemoryInUse,
+    MockOptions,
     Session,
     SessionClosed,
     Transfer,
@@ -45,7 +46,7 @@ pytestmark = needs_held_mock
 
 R = TypeVar("R")
 SIZE = 1 << 16
-CONFIG: dict[str, Any] = {"backend_extra": {"hold": True}, "sq_depth": 4, "abort_timeout": 2.0, "control_timeout": 2.0}
+CONFIG: dict[str, Any] = {"mock": MockOptions(hold=True), "sq_depth": 4, "abort_timeout": 2.0, "control_timeout": 2.0}
 BOUND = 0.5
 """Seconds past its deadline a wait may return (real clock)."""
 

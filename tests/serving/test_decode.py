@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from moriio_async import IOEngine, IOEngineConfig
+from moriio_async import IOEngine, IOEngineConfig, TcpOptions
 from moriio_async.backends.tcp import PlanHooks
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.serving.config import InstanceSettings
@@ -41,8 +41,7 @@ class Stand:
 
 
 async def stand(backend: str, *, transfer_timeout: float = 10.0, hooks: PlanHooks | None = None) -> Stand:
-    extra = {"hooks": hooks} if hooks is not None else {}
-    prefill = await IOEngine("prefill-0", IOEngineConfig(backend=backend, backend_extra=extra)).start()
+    prefill = await IOEngine("prefill-0", IOEngineConfig(backend=backend, tcp=TcpOptions(hooks=hooks))).start()
     cache = Model(SMALL).new_cache(BLOCKS)
     cache.view(np.uint8)[...] = 0xA5  # every byte non-zero: a stray read cannot hide
     prefill.register_memory(cache, name="kv")

@@ -184,7 +184,7 @@ def test_metrics_present_and_moving(fleet: ServedFleet, client: openai.OpenAI) -
         assert m["moriio_requests_in_flight"] == 0
         assert m["moriio_engine_regions"] == 1
     assert after[mover]["moriio_engine_sessions"] >= 1 and after[mover]["moriio_engine_outstanding"] == 0
-    assert moved(mover, "moriio_engine_reader_completions") >= 1
+    assert moved(mover, "moriio_engine_reader_completions_total") >= 1
     assert moved(fleet.url, 'moriio_proxy_requests_total{status="200"}') == 1
     assert moved(fleet.url, "moriio_proxy_ttft_seconds_count") == 1
     assert moved(fleet.url, "moriio_proxy_kv_transfer_seconds_count") == 1

@@ -12,6 +12,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
+from moriio_async.backends.verbs import VerbsOptions
 from moriio_async.status import Access, Opcode
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
 
@@ -22,11 +23,10 @@ guest_only = pytest.mark.skipif(not IN_GUEST, reason=NOT_IN_GUEST)
 
 
 def guest_options(**overrides: object) -> BackendOptions:
-    fields: dict[str, object] = {"device": os.environ.get("MORIIO_GUEST_DEVICE", "rxe0"), "qp_timeout": 12}
-    if os.environ.get("MORIIO_GUEST_SELF_IP"):
-        fields["host"] = os.environ["MORIIO_GUEST_SELF_IP"]
-    fields.update(overrides)
-    return BackendOptions(**fields)  # type: ignore[arg-type]
+    own: dict[str, object] = {"device": os.environ.get("MORIIO_GUEST_DEVICE", "rxe0"), "qp_timeout": 12}
+    own.update(overrides)
+    host = os.environ.get("MORIIO_GUEST_SELF_IP") or BackendOptions.host
+    return BackendOptions(host=host, specific=VerbsOptions(**own))  # type: ignore[arg-type]
 
 
 def drain(cq: CompletionQueue, want: int, timeout: float) -> list[WorkCompletion]:

@@ -13,11 +13,12 @@ import time
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import BackendOptions
+from moriio_async.backends.verbs import VerbsOptions
 from moriio_async.status import Access
 
 
 def main() -> None:
-    options = BackendOptions(device=os.environ.get("MORIIO_GUEST_DEVICE", "rxe0"))
+    options = BackendOptions(specific=VerbsOptions(device=os.environ.get("MORIIO_GUEST_DEVICE", "rxe0")))
     backend = open_backend("verbs", options)
     size = int(os.environ.get("PEER_REGION_BYTES", str(8 << 20)))
     buffer = bytearray(size)

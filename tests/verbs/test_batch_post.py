@@ -29,7 +29,7 @@ SIZE = 1 << 20
 def verbs(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if not IN_GUEST:
         pytest.skip(NOT_IN_GUEST)
-    opened = open_backend("verbs", guest_options(retry_cnt=3, extra={"verbs_extended_qp": request.param}))
+    opened = open_backend("verbs", guest_options(retry_cnt=3, extended_qp=request.param))
     yield opened
     opened.close()
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from moriio_async import InvalidArgument, WcStatus
+from moriio_async.backends.verbs import VerbsOptions
 from moriio_async.backends.verbs.faults import PairFaults, VerbsFaultSeam
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.status import Opcode
@@ -157,19 +158,19 @@ def test_pairs_are_numbered_by_first_post_and_requests_across_posts() -> None:
 
 @pytest.mark.parametrize("value", [FaultPlan((FaultRule(Action.DROP, qp=0, wr=0),)), {"rules": [{"action": "drop"}]},
                                    '{"rules": [{"action": "drop", "wr": 0}]}'])  # fmt: skip
-def test_the_plan_comes_from_backend_extra_as_a_plan_a_dict_or_json(value: Any) -> None:
-    got = VerbsFaultSeam.from_extra({"fault_plan": value}, 1.0)
-    assert got is not None and got.plan.rules[0].action is Action.DROP
-    assert VerbsFaultSeam.from_extra({}, 1.0) is None
+def test_the_plan_comes_from_the_verbs_options_as_a_plan_a_dict_or_json(value: Any) -> None:
+    got = VerbsOptions(fault_plan=value).plan
+    assert got is not None and got.rules[0].action is Action.DROP
+    assert VerbsOptions().plan is None
 
 
 def test_kill_and_malformed_plans_are_refused() -> None:
     with pytest.raises(InvalidArgument, match="cannot kill"):
         seam(FaultRule(Action.KILL, qp=0, wr=0))
     with pytest.raises(InvalidArgument):
-        VerbsFaultSeam.from_extra({"fault_plan": 42}, 1.0)
+        VerbsOptions(fault_plan=42)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
-        VerbsFaultSeam.from_extra({"fault_plan": "{not json"}, 1.0)
+        VerbsOptions(fault_plan="{not json")
 
 
 def test_after_the_pair_failed_later_requests_go_to_the_device_at_once_past_any_delay() -> None:

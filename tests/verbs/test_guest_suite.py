@@ -39,7 +39,7 @@ DEFAULT_SUITE = (
     "tests/verbs/test_real_verbs.py tests/verbs/test_peer_failure.py tests/verbs/test_batch_post.py"
     " tests/verbs/test_regions.py tests/backends tests/engine/test_transfers.py"
     # The properties that apply to a real NIC (tests/PROPERTIES.md), at the "guest" profile; the fault
-    # plans through the verbs backend's seam (backend_extra fault_plan) and `moriio-async faults --backend verbs`.
+    # plans through the verbs backend's seam (VerbsOptions.fault_plan) and `moriio-async faults --backend verbs`.
     " tests/properties/test_backpressure.py::test_backpressure_on_a_real_backend"
     " tests/properties/test_ordering.py::test_writes_completed_before_a_notification_are_visible_when_it_arrives"
     " tests/properties/test_bounds.py tests/properties/test_fault_plans.py tests/properties/test_real_faults.py"

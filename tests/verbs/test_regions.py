@@ -28,7 +28,7 @@ async def test_regions_without_remote_access_share_rkey_0_yet_each_deregisters_a
         second = a.register_memory(arena[4096:8192], access=Access.LOCAL_WRITE)
         assert first.rkey == second.rkey == 0, "the premise: rxe's rkey of a region without remote access"
         a.deregister_memory(first)
-        assert a.statistics()["regions"] == 1
+        assert a.statistics().regions == 1
         peer = await a.connect(b.address)
         session = await a.create_session(second, peer.memory["kv"])
         t = session.read(0, 100, 4096)
@@ -37,4 +37,4 @@ async def test_regions_without_remote_access_share_rkey_0_yet_each_deregisters_a
         assert not arena[:4096].any(), "the deregistered region's bytes were touched"
         await session.close()
         a.deregister_memory(second)
-        assert a.statistics()["regions"] == 0
+        assert a.statistics().regions == 0

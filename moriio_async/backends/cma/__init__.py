@@ -23,13 +23,14 @@ revocations), ``permissions`` (Yama, PR_SET_PTRACER, the clear error),
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import CmaOptions
 from .backend import CmaBackend
 from .permissions import CmaNotPermitted
-from .qp import CmaQueuePair, Tuning
+from .qp import CmaQueuePair
 from .regions import CmaRegion
 from .wire import VendorErr
 
-__all__ = ["CmaBackend", "CmaNotPermitted", "CmaQueuePair", "CmaRegion", "Tuning", "VendorErr", "open_backend"]
+__all__ = ["CmaBackend", "CmaNotPermitted", "CmaOptions", "CmaQueuePair", "CmaRegion", "VendorErr", "open_backend"]
 
 
 def open_backend(options: BackendOptions) -> Backend:

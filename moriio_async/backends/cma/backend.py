@@ -6,56 +6,35 @@ and a reader (``worker.py``, ``initiator.py``), plus ``threads - 1`` helpers
 when windows are split. None of them touches asyncio; the worker's copies
 run in ctypes calls, with the GIL released.
 
-Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
-``threads`` (int, default 1: threads a large window is split over),
-``round_bytes`` (default 16 MiB: bytes per window under the copy lock),
-``split_bytes`` (default 1 MiB: smaller windows are not split),
-``ptracer`` ("peer", "any" or "off": see ``permissions.py``),
-``revoke_wait`` (seconds, default 0.1: how long deregistration waits for a window an initiator
-is copying right now, usually about a millisecond, before it cuts that initiator off),
-``quiet_refusal`` (bool, default False: the engine sets it when it has another transport to fall
-back on, and logs the one line itself; the kernel's refusal then stays an INFO line here).
+Settings: ``CmaOptions`` (``IOEngineConfig(cma=CmaOptions(...))``): ``threads`` a large window is
+split over, ``round_bytes`` per window under the copy lock, ``split_bytes`` below which windows are
+not split, ``ptracer`` (see ``permissions.py``), ``revoke_wait`` (how long deregistration waits for a
+window an initiator is copying right now, usually about a millisecond, before it cuts that initiator
+off), ``quiet_refusal`` (the engine sets it when it has another transport to fall back on, and logs
+the one line itself; the kernel's refusal then stays an INFO line here).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ...errors import InvalidArgument
 from ...status import Access
-from ..base import BackendOptions, MemoryRegion
+from ..base import BackendOptions, MemoryRegion, specific_options
+from ..options import CmaOptions
 from ..soft.backend import SoftBackend
 from ..soft.cq import SoftCompletionQueue
 from .kernel import yama_scope
 from .pairstate import PairState
 from .permissions import PtracerPolicy, has_cap_sys_ptrace
-from .qp import CmaQueuePair, Tuning
+from .qp import CmaQueuePair
 from .regions import LocalTable, table_flags
 from .table import RegionTable
 from .target import TargetPort
 from .wire import VERSION
 
-__all__ = ["CmaBackend", "tuning_from"]
-
-
-def _int_setting(extra: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
-    value = extra.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise InvalidArgument(f"backend_extra[{key!r}] must be an int in {low}..{high}, not {value!r}")
-    return value
-
-
-def tuning_from(extra: Mapping[str, Any]) -> Tuning:
-    """The queue pairs' ``Tuning`` from ``backend_extra``, each value checked."""
-    default = Tuning()
-    return Tuning(
-        round_bytes=_int_setting(extra, "round_bytes", default.round_bytes, 64 << 10, 1 << 30),
-        threads=_int_setting(extra, "threads", default.threads, 1, 64),
-        split_bytes=_int_setting(extra, "split_bytes", default.split_bytes, 4 << 10, 1 << 30),
-    )
+__all__ = ["CmaBackend"]
 
 
 def _ns_inode(kind: str) -> int:
@@ -70,18 +49,11 @@ class CmaBackend(SoftBackend[CmaQueuePair]):
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
-        self.tuning = tuning_from(options.extra)
-        revoke_wait = options.extra.get("revoke_wait", 0.1)
-        if not isinstance(revoke_wait, int | float) or isinstance(revoke_wait, bool) or not 0 < revoke_wait <= 60:
-            raise InvalidArgument(f"backend_extra['revoke_wait'] must be seconds in (0, 60], not {revoke_wait!r}")
-        policy = options.extra.get("ptracer", "peer")
-        try:
-            self.policy = PtracerPolicy(str(policy))
-        except ValueError as exc:
-            raise InvalidArgument(f"backend_extra['ptracer']: {exc}") from None
+        own = self.tuning = specific_options(options, CmaOptions)
+        self.policy = PtracerPolicy(own.ptracer)
         self.local = LocalTable()
         self.table = RegionTable()
-        self.port = TargetPort(options, self.table, self.local, self.policy, revoke_wait)
+        self.port = TargetPort(options, self.table, self.local, self.policy, own.revoke_wait)
 
     # -- shared memory ------------------------------------------------------------------
 

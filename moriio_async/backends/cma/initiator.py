@@ -30,7 +30,8 @@ import numpy as np
 
 from ...errors import PeerError
 from ...status import WcStatus
-from ..base import BackendOptions
+from ..base import BackendOptions, QpState, specific_options
+from ..options import CmaOptions
 from ..soft.dial import closed_on_failure
 from .inuse import InUse
 from .kernel import boot_id, map_shared, process_vm, start_time, unmap
@@ -187,7 +188,7 @@ class TargetLink:
         with st.lock:
             # As on a wire: with nothing outstanding the pair stays RTS, and the next request
             # fails RETRY_EXC_ERR (the worker checks ``gone`` before every window).
-            if st.state == "RTS" and st.pending:
+            if st.state == QpState.RTS and st.pending:
                 st.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
 
     def shutdown(self) -> None:
@@ -291,7 +292,7 @@ def _handshake(
             what, hint = explain(err, pid)
             if _first_refusal(pid, started):  # one line per target process, however many pairs try
                 # With a transport to fall back on, the engine says it (once, with this reason).
-                quiet = options.extra.get("quiet_refusal") is True
+                quiet = specific_options(options, CmaOptions).quiet_refusal
                 log.log(logging.INFO if quiet else logging.WARNING, "cma: %s; fix: %s", what, hint)
             raise CmaNotPermitted(f"qp {qp_num}: {what}", hint=hint)
         if got.tobytes() != nonce:

@@ -12,7 +12,7 @@ dumpable, and Yama's ``/proc/sys/kernel/yama/ptrace_scope`` agreeing:
   (``SO_PEERCRED``) on the authenticated connection. Yama keeps one such pid
   per process, so a target answering several initiators switches to
   ``PR_SET_PTRACER_ANY`` (any same-uid process may then attach), logged
-  once; ``backend_extra={"ptracer": "any" | "peer" | "off"}`` chooses.
+  once; ``CmaOptions(ptracer="any" | "peer" | "off")`` chooses.
 * 2: only with CAP_SYS_PTRACE (in containers, ``--cap-add SYS_PTRACE``).
 * 3: never: use shared-memory buffers or another backend.
 
@@ -35,6 +35,7 @@ import threading
 from pathlib import Path
 
 from ...errors import BackendUnavailable
+from ..options import PTRACER_POLICIES
 from .kernel import PR_SET_PTRACER_ANY, set_ptracer, yama_scope
 
 __all__ = ["CmaNotPermitted", "PtracerPolicy", "explain", "has_cap_sys_ptrace"]
@@ -42,7 +43,7 @@ __all__ = ["CmaNotPermitted", "PtracerPolicy", "explain", "has_cap_sys_ptrace"]
 log = logging.getLogger("moriio_async.cma")
 
 _CAP_SYS_PTRACE = 19
-POLICIES = ("peer", "any", "off")
+POLICIES = PTRACER_POLICIES
 
 
 class CmaNotPermitted(BackendUnavailable):
@@ -74,7 +75,7 @@ def explain(err: int, pid: int) -> tuple[str, str]:
         hint = "ptrace_scope=2 needs CAP_SYS_PTRACE (containers: --cap-add SYS_PTRACE), or use backend='tcp'"
     elif scope == 1:
         hint = (
-            "the target sets PR_SET_PTRACER for its peers unless backend_extra={'ptracer': 'off'}; "
+            "the target sets PR_SET_PTRACER for its peers unless CmaOptions(ptracer='off'); "
             "or set kernel.yama.ptrace_scope=0, or grant CAP_SYS_PTRACE, or use backend='tcp'"
         )
     else:
@@ -106,7 +107,7 @@ class PtracerPolicy:
                 if self.policy == "peer" and not err:
                     log.info(
                         "cma: a second initiator (pid %d) needs PR_SET_PTRACER_ANY: Yama keeps one ptracer per "
-                        "process; any same-uid process may now attach to this one (backend_extra ptracer='off' "
+                        "process; any same-uid process may now attach to this one (CmaOptions(ptracer='off') "
                         "to forbid)",
                         pid,
                     )

@@ -10,10 +10,10 @@ port's thread for its connection hands out memfds and collects acks.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from ...errors import InvalidArgument
 from ..base import BackendOptions, Endpoint, QpState
+from ..options import CmaOptions
 from ..soft.qp import MAX_SEND_WR, MAX_SGE, OnClose, SoftQueuePair
 from .initiator import TargetLink, dial
 from .iov import Mover
@@ -22,19 +22,7 @@ from .regions import LocalTable
 from .target import Connection, TargetPort
 from .worker import Executor, work_loop
 
-__all__ = ["MAX_SEND_WR", "MAX_SGE", "CmaQueuePair", "Tuning"]
-
-
-@dataclass(frozen=True, slots=True)
-class Tuning:
-    """How a queue pair moves bytes (``backend_extra`` keys of the same names)."""
-
-    round_bytes: int = 16 << 20
-    """Bytes moved per window under the copy lock (a chunk of requests, or a piece of a huge one)."""
-    threads: int = 1
-    """Threads one window is split over (1: the worker alone)."""
-    split_bytes: int = 1 << 20
-    """Windows smaller than this are not split."""
+__all__ = ["MAX_SEND_WR", "MAX_SGE", "CmaQueuePair"]
 
 
 class CmaQueuePair(SoftQueuePair[PairState]):
@@ -48,7 +36,7 @@ class CmaQueuePair(SoftQueuePair[PairState]):
         local: LocalTable,
         port: TargetPort,
         options: BackendOptions,
-        tuning: Tuning,
+        tuning: CmaOptions,
         on_close: OnClose,
     ) -> None:
         super().__init__(pair_state, options, on_close)

@@ -6,7 +6,7 @@ posting thread. It is public so users can test their own code against
 moriio_async without sockets or RDMA. It is not evidence that a real backend
 works: the TCP and verbs backends run the conformance suite for that.
 
-Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
+Settings: ``MockOptions`` (``IOEngineConfig(mock=MockOptions(...))``):
 
 ``hold``
     Each queue pair keeps its posted requests until the test calls
@@ -28,11 +28,12 @@ runs next.
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import MockOptions
 from .backend import MockBackend
 from .fabric import MockFabric
 from .qp import MockQueuePair
 
-__all__ = ["MockBackend", "MockFabric", "MockQueuePair", "open_backend"]
+__all__ = ["MockBackend", "MockFabric", "MockOptions", "MockQueuePair", "open_backend"]
 
 
 def open_backend(options: BackendOptions) -> Backend:

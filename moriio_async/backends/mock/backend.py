@@ -6,7 +6,8 @@ from typing import Any, ClassVar
 
 from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
-from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
+from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..options import MockOptions
 from ..soft.cq import SoftCompletionQueue
 from .fabric import MockFabric
 from .memory import MemoryTable
@@ -20,7 +21,11 @@ class MockBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
-        self.fabric = MockFabric.of(options.extra)
+        self.own = specific_options(options, MockOptions)
+        fabric = self.own.fabric
+        if fabric is not None and not isinstance(fabric, MockFabric):
+            raise InvalidArgument(f"MockOptions.fabric must be a MockFabric, not {type(fabric).__name__}")
+        self.fabric = fabric if fabric is not None else MockFabric.default()
         self.memory = MemoryTable()
         self._qps: dict[int, MockQueuePair] = {}
         self._cqs: list[SoftCompletionQueue] = []
@@ -35,7 +40,7 @@ class MockBackend(Backend):
 
     def create_cq(self, depth: int) -> CompletionQueue:
         self._check_open()
-        cq = SoftCompletionQueue(depth, notify=not self.options.extra.get("silent_cq", False))
+        cq = SoftCompletionQueue(depth, notify=not self.own.silent_cq)
         self._cqs.append(cq)
         return cq
 
@@ -50,8 +55,8 @@ class MockBackend(Backend):
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "mock",
-            "hold": bool(self.options.extra.get("hold", False)),
-            "silent_cq": bool(self.options.extra.get("silent_cq", False)),
+            "hold": self.own.hold,
+            "silent_cq": self.own.silent_cq,
             "sq_depth": max(1, self.options.sq_depth),
             "max_sge": max(1, self.options.max_sge),
         }

@@ -3,7 +3,7 @@
 An endpoint crosses the engines' control plane as JSON, so the active pair can
 only name its peer by a token; something both backends share must map the
 token to the passive pair. That is a ``MockFabric``. Give backends one with
-``BackendOptions(extra={"fabric": fabric})`` to keep them apart from every
+``MockOptions(fabric=fabric)`` to keep them apart from every
 other mock in the process; backends opened without one join the process's
 default fabric, so two engines configured independently (as users and most
 tests do) still reach each other.
@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping
-from typing import Any, ClassVar
-
-from ...errors import InvalidArgument
+from typing import ClassVar
 
 __all__ = ["MockFabric"]
 
@@ -39,16 +36,6 @@ class MockFabric:
             if cls._default is None:
                 cls._default = MockFabric()
             return cls._default
-
-    @classmethod
-    def of(cls, extra: Mapping[str, Any]) -> MockFabric:
-        """The fabric ``BackendOptions.extra`` names, or the default one."""
-        fabric = extra.get("fabric")
-        if fabric is None:
-            return cls.default()
-        if not isinstance(fabric, MockFabric):
-            raise InvalidArgument(f"backend_extra['fabric'] must be a MockFabric, not {type(fabric).__name__}")
-        return fabric
 
     def next_qp_num(self) -> int:
         with self._lock:

@@ -20,7 +20,8 @@ import numpy as np
 from ...errors import InvalidArgument, PeerError
 from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
-from ..base import TAG_SHIFT, BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
+from ..base import TAG_SHIFT, BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull, specific_options
+from ..options import MockOptions
 from ..soft.cq import SoftCompletionQueue
 from .execute import execute, execute_one
 from .fabric import MockFabric
@@ -60,7 +61,7 @@ class MockQueuePair(QueuePair):
         self.qp_num = options.qp_tag << TAG_SHIFT | fabric.next_qp_num()
         self.max_send_wr = max(1, options.sq_depth)
         self.max_sge = max(1, options.max_sge)
-        self.hold = bool(options.extra.get("hold", False))
+        self.hold = specific_options(options, MockOptions).hold
         """Keep posted requests until ``step``: completion timing becomes a function of the test's calls."""
         self.memory = memory
         self._cq = cq
@@ -81,7 +82,7 @@ class MockQueuePair(QueuePair):
     # -- the contract -----------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self._state
 
     @property

@@ -56,7 +56,7 @@ class SoftQueuePair(QueuePair, Generic[P]):
         derives it instead once a session key is bound)."""
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         return self.pair_state.state
 
     # -- connecting -------------------------------------------------------------------

@@ -13,6 +13,7 @@ seams, and fault plans applied at them).
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import TcpOptions
 from .backend import TcpBackend
 from .faults import PlanHooks
 from .hooks import Fault, Hooks
@@ -25,6 +26,7 @@ __all__ = [
     "Hooks",
     "PlanHooks",
     "TcpBackend",
+    "TcpOptions",
     "TcpQueuePair",
     "TcpRegion",
     "VendorErr",

@@ -15,7 +15,7 @@ deadline per message (``responder.py``); deregistration aborts a peer's
 request in progress instead of waiting for it (``regions.py``). What peers
 did wrong is counted in ``describe()["data_plane"]`` (``guard.py``).
 
-Settings (``BackendOptions.extra``, i.e. ``IOEngineConfig(backend_extra=...)``):
+Settings: ``TcpOptions`` (``IOEngineConfig(tcp=TcpOptions(...))``): the data port's hello bounds, and
 ``hooks`` (a ``Hooks``) or ``fault_plan`` (a ``FaultPlan``) for fault injection.
 """
 
@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ...status import Access
-from ..base import BackendOptions, MemoryRegion
+from ..base import BackendOptions, MemoryRegion, specific_options
+from ..options import TcpOptions
 from ..soft.backend import SoftBackend
 from ..soft.cq import SoftCompletionQueue
 from .faults import hooks_from
@@ -45,7 +46,8 @@ class TcpBackend(SoftBackend[TcpQueuePair]):
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
-        self.hooks: Hooks | None = hooks_from(options.extra)
+        self.own = specific_options(options, TcpOptions)
+        self.hooks: Hooks | None = hooks_from(self.own)
         """Fault-injection hooks given to every queue pair created (see ``hooks.py``)."""
         self.regions = RegionTable()
         self.guard = DataGuard(max_failures=options.max_failures_per_source, lockout=options.failure_lockout)

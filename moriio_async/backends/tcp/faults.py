@@ -1,7 +1,7 @@
 """Applying a ``FaultPlan`` at the TCP backend's seams (``hooks.py``).
 
-Give a backend a plan with ``BackendOptions(extra={"fault_plan": plan})``
-(``IOEngineConfig(backend_extra=...)``), or give it ``{"hooks": PlanHooks(plan)}``
+Give a backend a plan with ``TcpOptions(fault_plan=plan)``
+(``IOEngineConfig(tcp=...)``), or give it ``TcpOptions(hooks=PlanHooks(plan))``
 to keep the hooks: ``applied`` lists what fired, ``release()`` ends stalls and
 delays. The hooks run on the backend's NIC threads, never on an event loop.
 """
@@ -9,14 +9,15 @@ delays. The hooks run on the backend's NIC threads, never on an event loop.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, final
+from typing import final
 
 from ...core.faultplan import Action, Applied, FaultPlan, FaultRule
 from ...errors import InvalidArgument
 from ...status import WcStatus
 from ...work import WorkRequest
+from ..options import TcpOptions
 from .hooks import Fault, Hooks
 
 __all__ = ["PlanHooks", "hooks_from"]
@@ -132,15 +133,10 @@ class PlanHooks(Hooks):
         return None
 
 
-def hooks_from(extra: Mapping[str, Any]) -> Hooks | None:
-    """The hooks ``BackendOptions.extra`` asks for: ``{"hooks": Hooks}`` or ``{"fault_plan": FaultPlan}``."""
-    hooks, plan = extra.get("hooks"), extra.get("fault_plan")
-    if hooks is not None and plan is not None:
-        raise InvalidArgument("backend_extra takes 'hooks' or 'fault_plan', not both")
-    if plan is not None:
-        if not isinstance(plan, FaultPlan):
-            raise InvalidArgument(f"backend_extra['fault_plan'] must be a FaultPlan, not {type(plan).__name__}")
-        return PlanHooks(plan)
-    if hooks is not None and not isinstance(hooks, Hooks):
-        raise InvalidArgument(f"backend_extra['hooks'] must be a tcp Hooks, not {type(hooks).__name__}")
-    return hooks
+def hooks_from(options: TcpOptions) -> Hooks | None:
+    """The hooks ``TcpOptions`` asks for: its ``hooks``, or ``PlanHooks`` applying its ``fault_plan``."""
+    if options.fault_plan is not None:
+        return PlanHooks(options.fault_plan)
+    if options.hooks is not None and not isinstance(options.hooks, Hooks):
+        raise InvalidArgument(f"TcpOptions.hooks must be a tcp Hooks, not {type(options.hooks).__name__}")
+    return options.hooks

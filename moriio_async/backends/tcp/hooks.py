@@ -2,7 +2,7 @@
 
 A queue pair consults its ``hooks`` (``None`` by default: one attribute test
 on the hot path, nothing more). Give a backend hooks with
-``BackendOptions(extra={"hooks": hooks})`` (``IOEngineConfig(backend_extra=...)``;
+``TcpOptions(hooks=hooks)`` (``IOEngineConfig(tcp=...)``;
 ``{"fault_plan": plan}`` makes ``PlanHooks`` from a plan), or set
 ``TcpQueuePair.hooks`` on one pair; a passive pair's hooks act on the requests
 it serves. A pair with hooks sends, and is answered, one request at a time.

@@ -15,7 +15,7 @@ never crosses the control link; without one, 16 random bytes sent over the
 
 The hello must arrive whole within ``hello_timeout`` (at most
 ``connect_timeout``) of the accept, however its bytes are spaced. At most
-``BackendOptions.max_data_hellos`` connections may be in their hello at once:
+``TcpOptions.max_data_hellos`` connections may be in their hello at once:
 one more closes the oldest one in its hello (a silent one first: nothing had
 come by its accept, while an honest dialer sends its hello at once); its
 socket is shut down, which wakes its thread. Over
@@ -43,7 +43,8 @@ import threading
 import time
 
 from ...errors import BackendUnavailable, ControlPlaneError, PeerError
-from ..base import BackendOptions
+from ..base import BackendOptions, specific_options
+from ..options import TcpOptions
 from ..soft.dial import Expected, closed_on_failure
 from .guard import DataGuard
 from .pairstate import PairState
@@ -68,6 +69,7 @@ class Listener:
 
     def __init__(self, options: BackendOptions, guard: DataGuard) -> None:
         self.options = options
+        self.own = specific_options(options, TcpOptions)
         self.guard = guard
         self._lock = threading.Lock()
         self._closed = False
@@ -168,9 +170,9 @@ class Listener:
                 evicted.append((pick[0], self._hellos.pop(pick[0])[0]))
             return bool(pick)
 
-        if sum(h == host for h, _, _ in self._hellos.values()) >= self.options.max_data_hellos_per_address:
+        if sum(h == host for h, _, _ in self._hellos.values()) >= self.own.max_data_hellos_per_address:
             take([r for r, (h, since, _) in self._hellos.items() if h == host and since <= ripe_since])
-        if len(self._hellos) >= self.options.max_data_hellos:
+        if len(self._hellos) >= self.own.max_data_hellos:
             # Every one here has not got its whole hello in yet (it leaves the set as it does): the oldest
             # silent one goes (nothing at accept), else the oldest.
             silent = [r for r, (_, _, said) in self._hellos.items() if not said]

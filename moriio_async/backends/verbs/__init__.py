@@ -27,13 +27,13 @@ Design, in one place:
   milliseconds, not after the retry timers); DEVICE_FATAL and CQ_ERR fail
   every pair from the ledgers; QP events are matched by querying states,
   since pyverbs 59 does not say which pair; a pair in ERR that the device
-  has not flushed within ``extra["verbs_flush_grace"]`` (2 s) is flushed
+  has not flushed within ``VerbsOptions.flush_grace`` (2 s) is flushed
   from its ledger.
 * Posting: a whole chunk per call, as one extended-QP section (``wr_start``,
   per request ``wr_id``/``wr_flags``/``wr_rdma_*`` and a reused ``SGE``,
   ``wr_complete``: one doorbell); the ledger keeps spans over the posted
   batch, and local entries are checked vectorised per chunk (``checks.py``).
-  Providers without extended-QP send ops (or ``extra["verbs_extended_qp"]``
+  Providers without extended-QP send ops (or ``VerbsOptions.extended_qp``
   False) post one ``ibv_post_send`` per request.
 * rxe quirks handled: ``wr_set_sge_list`` miscounts a request whose scatter
   entries differ in length (such a request is posted alone with
@@ -45,9 +45,10 @@ Design, in one place:
 from __future__ import annotations
 
 from ..base import Backend, BackendOptions
+from ..options import VerbsOptions
 from .facts import ProbeReport
 
-__all__ = ["open_backend", "probe"]
+__all__ = ["VerbsOptions", "open_backend", "probe"]
 
 
 def open_backend(options: BackendOptions) -> Backend:

@@ -10,7 +10,8 @@ from typing import Any, ClassVar
 
 from ...errors import BackendUnavailable, InvalidArgument
 from ...status import Access, WcStatus
-from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair
+from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..options import VerbsOptions
 from . import memory
 from ._pyverbs import PYVERBS_VERSION, Context, PdHandle, has_channel_fd, list_devices
 from .cq import VerbsCompletionQueue
@@ -29,7 +30,7 @@ _QP_EVENTS = {1, 2, 3, 7}  # QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR, PATH_MIG_ERR
 _EVENT_CQ_ERR, _EVENT_DEVICE_FATAL, _EVENT_PORT_ERR = 0, 8, 10
 
 
-def _open_device(options: BackendOptions) -> Context:
+def _open_device(options: VerbsOptions) -> Context:
     names = list_devices()
     if options.device is not None:
         if options.device not in names:
@@ -60,12 +61,13 @@ class VerbsBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
-        self.flush_grace = float(options.extra.get("verbs_flush_grace", 2.0))
-        self.extended_qp = bool(options.extra.get("verbs_extended_qp", True))
+        own = self.own = specific_options(options, VerbsOptions)
+        self.flush_grace = own.flush_grace
+        self.extended_qp = own.extended_qp
         """False: plain queue pairs, one ibv_post_send per request (what a provider without
         ``ibv_qp_ex`` send ops gets anyway); for tests and measurements."""
-        self.fault_seam = VerbsFaultSeam.from_extra(options.extra, options.retry_timeout)
-        self.ctx = _open_device(options)
+        self.fault_seam = None if own.plan is None else VerbsFaultSeam(own.plan, options.retry_timeout)
+        self.ctx = _open_device(own)
         try:
             self._setup(options)
         except BaseException:
@@ -74,13 +76,13 @@ class VerbsBackend(Backend):
 
     def _setup(self, options: BackendOptions) -> None:
         self.limits = self.ctx.limits()
-        port = self.ctx.port(options.ib_port)
+        port = self.ctx.port(self.own.ib_port)
         if not port.active:
             raise BackendUnavailable(
-                f"{self.ctx.name} port {options.ib_port} is {PORT_STATE_NAMES.get(port.state, port.state)}",
+                f"{self.ctx.name} port {self.own.ib_port} is {PORT_STATE_NAMES.get(port.state, port.state)}",
                 hint="bring the device's network interface up, or choose another device/ib_port",
             )
-        choice = choose_gid(port.gids, link_layer=port.link_layer, requested=options.gid_index, host=options.host)
+        choice = choose_gid(port.gids, link_layer=port.link_layer, requested=self.own.gid_index, host=options.host)
         log.info(
             "verbs: device %s port %d, GID index %d (%s %s): %s",
             self.ctx.name,
@@ -96,9 +98,9 @@ class VerbsBackend(Backend):
             gid_index=choice.entry.index,
             gid=choice.entry.gid,
             limits=self.limits,
-            timeout=options.qp_timeout,
-            retry_cnt=options.retry_cnt,
-            rnr_retry=options.rnr_retry,
+            timeout=self.own.qp_timeout,
+            retry_cnt=self.own.retry_cnt,
+            rnr_retry=self.own.rnr_retry,
         )
         self.pd = PdHandle(self.ctx)
         self._lock = threading.Lock()

@@ -26,7 +26,7 @@ the initiator's queue pairs, as the initiator would observe it:
 
 Pairs and requests are counted as in ``core/faultplan.py``: pairs in the order
 of their first post, requests per pair in posting order. Set it with
-``backend_extra={"fault_plan": plan}`` (a ``FaultPlan``, its dict, or its JSON)
+``VerbsOptions(fault_plan=plan)`` (a ``FaultPlan``, its dict, or its JSON)
 on the initiator's engine. Everything runs on the event-loop thread, except a
 timer thread per wait that only wakes the completion queue.
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,21 +67,6 @@ class VerbsFaultSeam:
         self._pairs: dict[int, int] = {}
         self._lock = threading.Lock()
         self._applied: list[Applied] = []
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any], retry_timeout: float) -> VerbsFaultSeam | None:
-        value = extra.get("fault_plan")
-        if value is None:
-            return None
-        if isinstance(value, str | bytes):
-            plan = FaultPlan.loads(value)
-        elif isinstance(value, Mapping):
-            plan = FaultPlan.from_dict(value)
-        elif isinstance(value, FaultPlan):
-            plan = value
-        else:
-            raise InvalidArgument(f"backend_extra['fault_plan'] must be a FaultPlan, its dict or JSON, not {value!r}")
-        return cls(plan, retry_timeout)
 
     def pair_index(self, qp_num: int) -> int:
         with self._lock:

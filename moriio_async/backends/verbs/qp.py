@@ -115,7 +115,7 @@ class VerbsQueuePair(QueuePair):
         self._rd_atom = max(1, min(config.limits.max_qp_rd_atom, _MAX_RD_ATOM))
 
     @property
-    def state(self) -> str:
+    def state(self) -> QpState:
         with self.lock:
             if self.closed:
                 return QpState.ERR

@@ -53,7 +53,7 @@ class IOEngineConfig:
     ``host=""`` means 127.0.0.1 (a peer must be able to dial the address it is
     given); ``port=0`` picks a free port, read back from ``get_engine_desc().port``.
     ``options``, not in MoRI-IO, is a ``moriio_async.IOEngineConfig`` for the
-    engine inside (timeouts, backend, ``backend_extra``); host and port override
+    engine inside (timeouts, backend, its options); host and port override
     its own. With ``options`` its backend is used whatever ``create_backend`` names.
     """
 
