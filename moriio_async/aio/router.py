@@ -9,9 +9,9 @@ last time before it calls anything a timeout.
 
 An engine with several backends has one completion queue per backend, each
 with its own reader (``add_queue``). Queue-pair numbers repeat across
-backends, so the engine numbers the pairs of its ``n``-th backend with ``n``
-above the low ``TAG_SHIFT`` bits, and each queue's completions are looked up
-in that queue's own table by the backend's number.
+backends, so the ``n``-th backend numbers its pairs with ``n`` above the low
+``TAG_SHIFT`` bits (``BackendOptions.qp_tag``), and each queue's completions
+are looked up in that queue's own table by the number's low bits.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..backends.base import CompletionQueue
+from ..backends.base import QP_MASK, TAG_SHIFT, CompletionQueue
 from ..status import Opcode
 from ..work import WorkCompletion
 from .channel import QpChannel
@@ -33,10 +33,6 @@ from .cq_reader import CompletionReader, ReaderStatistics
 from .transfer import Transfer
 
 __all__ = ["TAG_SHIFT", "CompletionRouter", "Pinned", "RouterStatistics"]
-
-TAG_SHIFT = 24
-"""Queue-pair numbers above these bits say which of the engine's completion queues (backends) the pair uses."""
-_QP_MASK = (1 << TAG_SHIFT) - 1
 
 
 class Pinned(Protocol):
@@ -115,14 +111,14 @@ class CompletionRouter:
     def attach(self, channel: QpChannel) -> None:
         """Route the completions of ``channel``'s current queue pair to it."""
         qp_num = channel.qp_num
-        self._tables[qp_num >> TAG_SHIFT][qp_num & _QP_MASK] = channel
+        self._tables[qp_num >> TAG_SHIFT][qp_num & QP_MASK] = channel
 
     def detach(self, channel: QpChannel) -> None:
         """Stop routing to ``channel`` (before its queue pair is closed or replaced)."""
         qp_num = channel.qp_num
         table = self._tables[qp_num >> TAG_SHIFT]
-        if table.get(qp_num & _QP_MASK) is channel:
-            del table[qp_num & _QP_MASK]
+        if table.get(qp_num & QP_MASK) is channel:
+            del table[qp_num & QP_MASK]
 
     def kick(self) -> None:
         """Work was posted (the readers' timer fallback needs to know)."""
@@ -140,7 +136,7 @@ class CompletionRouter:
         touched: list[QpChannel] = []
         last: QpChannel | None = None
         for wc in wcs:
-            channel = channels.get(wc.qp_num)
+            channel = channels.get(wc.qp_num & QP_MASK)  # low bits: verbs completes under the device's number
             if channel is not None:
                 channel.account(wc)
                 if channel is not last:

@@ -74,6 +74,8 @@ from ..status import Access, Opcode
 from ..work import WorkBatch, WorkCompletion, WorkRequest
 
 __all__ = [
+    "QP_MASK",
+    "TAG_SHIFT",
     "Backend",
     "BackendOptions",
     "CompletionQueue",
@@ -84,6 +86,12 @@ __all__ = [
     "check_number",
     "specific_options",
 ]
+
+TAG_SHIFT = 24
+"""A queue-pair number's bits above these say which of an engine's backends the pair is on
+(``BackendOptions.qp_tag``); the engine's completion router keeps one table per backend."""
+QP_MASK = (1 << TAG_SHIFT) - 1
+"""The bits of a queue-pair number that a backend counts in."""
 
 Endpoint = Mapping[str, Any]
 """What one side of a queue pair tells the other to connect (JSON-serialisable)."""
@@ -116,8 +124,10 @@ class BackendOptions:
     before each of its data connections waits a quarter of the hello deadline, for ``failure_lockout`` seconds."""
     failure_lockout: float = 30.0
     qp_tag: int = 0
-    """The engine's position of this backend among its transports (0: the first); a backend may number
-    its pairs with it above ``TAG_SHIFT`` bits."""
+    """The backend's place among its engine's (0: the first): its pairs are numbered
+    ``qp_tag << TAG_SHIFT | n``, so no two backends of one engine hand out the same number. Their
+    completions carry at least the low ``TAG_SHIFT`` bits (verbs: the device's number; the
+    software NICs: the whole one), which is what the engine's router looks them up by."""
     specific: object = None
     """The backend's own options (``TcpOptions``, ``VerbsOptions``, ``CmaOptions``, ``MockOptions`` of its
     package); None: its defaults. Another backend's options are refused at open (``specific_options``)."""

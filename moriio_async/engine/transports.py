@@ -11,12 +11,12 @@ scope (for cma: the same host and namespaces). The first pair opened over
 cma is the probe: if the kernel refuses the attach (``CmaNotPermitted``),
 that peer is demoted to the next transport, with one WARNING line.
 
-Queue-pair numbers are per backend, so two backends of one engine hand out
-the same numbers. A pair of the N-th transport (N > 0) is wrapped so its
-number carries N above the 24 bits a backend uses (``aio.router.TAG_SHIFT``): the
-control plane, the link books and the completion router then tell pairs of
-different backends apart with no other change; pairs of the first
-transport (the only one, for a single-backend engine) are not wrapped.
+Queue-pair numbers: the N-th transport's backend is opened with
+``BackendOptions.qp_tag = N`` and numbers its pairs ``N << TAG_SHIFT | n``
+itself (``backends.base.TAG_SHIFT``), so the control plane, the link books and
+the completion router tell pairs of different backends apart with no wrapper
+on the data path; the first transport's (the only one, for a single-backend
+engine) numbers are the backend's own counts, as before transports.
 """
 
 from __future__ import annotations
@@ -25,16 +25,13 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from ..aio.router import TAG_SHIFT
 from ..backends import open_backend
-from ..backends.base import Backend, CompletionQueue, Endpoint, QpState, QueuePair
+from ..backends.base import TAG_SHIFT, Backend, CompletionQueue, QueuePair
 from ..descriptors import TransportDesc
 from ..errors import BackendUnavailable
-from ..status import Opcode
-from ..work import WorkBatch
 from .config import IOEngineConfig
 
-__all__ = ["TaggedQp", "Transport", "Transports", "open_backends"]
+__all__ = ["Transport", "Transports", "open_backends"]
 
 log = logging.getLogger("moriio_async")
 
@@ -50,6 +47,7 @@ def open_backends(config: IOEngineConfig) -> list[Backend]:
     opened: list[Backend] = []
     try:
         for i, name in enumerate(names):
+            # Its place among those opened: its pairs' numbers carry it (``Transports.of``).
             options = config.backend_options(name, tag=len(opened))
             if name == "cma" and i < len(names) - 1:
                 # The engine has a transport to fall back on: it says why, once, not the backend.
@@ -80,43 +78,6 @@ class Transport:
 
     def desc(self) -> TransportDesc:
         return TransportDesc(self.name, self.backend.scope())
-
-
-class TaggedQp(QueuePair):
-    """A pair of the engine's ``tag``-th backend, numbered ``tag << TAG_SHIFT | its own number``."""
-
-    def __init__(self, inner: QueuePair, tag: int) -> None:
-        self.inner = inner
-        self.qp_num = tag << TAG_SHIFT | inner.qp_num
-        self.max_send_wr = inner.max_send_wr
-        self.max_sge = inner.max_sge
-
-    @property
-    def state(self) -> QpState:
-        return self.inner.state
-
-    def endpoint(self) -> Endpoint:
-        return self.inner.endpoint()
-
-    def connect(self, remote: Endpoint) -> None:
-        self.inner.connect(remote)
-
-    def bind_session(self, session_key: bytes | None, *, answering: bool) -> None:
-        self.inner.bind_session(session_key, answering=answering)
-
-    def post(self, batch: WorkBatch) -> None:
-        self.inner.post(batch)
-
-    def post_one(
-        self, wr_id: int, opcode: Opcode, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int
-    ) -> None:
-        self.inner.post_one(wr_id, opcode, local_addr, lkey, remote_addr, rkey, length)
-
-    def to_error(self) -> None:
-        self.inner.to_error()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class Transports:
@@ -169,8 +130,7 @@ class Transports:
         return total
 
     def create_qp(self, transport: Transport) -> QueuePair:
-        qp = transport.backend.create_qp(transport.cq)
-        return qp if transport.tag == 0 else TaggedQp(qp, transport.tag)
+        return transport.backend.create_qp(transport.cq)
 
     def close_queues(self) -> None:
         for t in self._list:

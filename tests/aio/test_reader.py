@@ -14,7 +14,7 @@ import pytest
 
 from moriio_async.aio.cq_reader import CompletionReader
 from moriio_async.backends.base import CompletionQueue
-from moriio_async.backends.softcq import SoftCompletionQueue
+from moriio_async.backends.soft.cq import SoftCompletionQueue
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import WorkCompletion
 

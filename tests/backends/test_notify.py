@@ -141,7 +141,7 @@ def test_no_missed_wakeup_two_pairs_one_queue(pairs: PairFactory, backend_name: 
 
 @pytest.mark.only_backends("tcp", "mock", reason="adds completions directly through the software completion queue")
 def test_no_missed_wakeup_cq_level_race(backend_name: str) -> None:
-    from moriio_async.backends.softcq import SoftCompletionQueue
+    from moriio_async.backends.soft.cq import SoftCompletionQueue
 
     backend = open_backend(backend_name, make_options())
     try:

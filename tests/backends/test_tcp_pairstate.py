@@ -14,7 +14,7 @@ import time
 import pytest
 
 from moriio_async.backends.base import QpState
-from moriio_async.backends.softcq import SoftCompletionQueue
+from moriio_async.backends.soft.cq import SoftCompletionQueue
 from moriio_async.backends.tcp import Hooks, VendorErr
 from moriio_async.backends.tcp.pairstate import CHUNK_BYTES, Chunk, PairState, Span
 from moriio_async.backends.tcp.regions import RegionTable

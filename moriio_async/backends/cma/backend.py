@@ -16,20 +16,19 @@ the one line itself; the kernel's refusal then stays an INFO line here).
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
-import threading
 from typing import Any, ClassVar
 
-from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
-from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..base import BackendOptions, MemoryRegion, specific_options
 from ..options import CmaOptions
-from ..softcq import SoftCompletionQueue
+from ..soft.backend import SoftBackend
+from ..soft.cq import SoftCompletionQueue
 from .kernel import yama_scope
+from .pairstate import PairState
 from .permissions import PtracerPolicy, has_cap_sys_ptrace
-from .qp import MAX_SEND_WR, MAX_SGE, CmaQueuePair
+from .qp import CmaQueuePair
 from .regions import LocalTable, table_flags
 from .table import RegionTable
 from .target import TargetPort
@@ -45,21 +44,16 @@ def _ns_inode(kind: str) -> int:
         return 0  # no /proc view of it: peers that see none either compare equal, and the probe decides
 
 
-class CmaBackend(Backend):
+class CmaBackend(SoftBackend[CmaQueuePair]):
     name: ClassVar[str] = "cma"
 
     def __init__(self, options: BackendOptions) -> None:
-        self.options = options
+        super().__init__(options)
         own = self.tuning = specific_options(options, CmaOptions)
         self.policy = PtracerPolicy(own.ptracer)
         self.local = LocalTable()
         self.table = RegionTable()
         self.port = TargetPort(options, self.table, self.local, self.policy, own.revoke_wait)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._qp_numbers = itertools.count(0x10)
-        self._qps: dict[int, CmaQueuePair] = {}
-        self._cqs: list[SoftCompletionQueue] = []
 
     # -- shared memory ------------------------------------------------------------------
 
@@ -104,28 +98,12 @@ class CmaBackend(Backend):
         if found is None:
             return
         self.port.revoke(found)
-        with self._lock:
-            qps = list(self._qps.values())
-        for qp in qps:
+        for qp in self._pairs():
             with qp.pair_state.copy_lock:
                 pass
 
-    def create_cq(self, depth: int) -> CompletionQueue:
-        self._check_open()
-        cq = SoftCompletionQueue(depth)
-        with self._lock:
-            self._cqs.append(cq)
-        return cq
-
-    def create_qp(self, cq: CompletionQueue) -> QueuePair:
-        if not isinstance(cq, SoftCompletionQueue):
-            raise InvalidArgument("a cma queue pair needs a cma completion queue")
-        with self._lock:
-            self._check_open()
-            qp_num = next(self._qp_numbers) & 0xFFFFFF
-            qp = CmaQueuePair(qp_num, cq, self.local, self.port, self.options, self.tuning, self._forget)
-            self._qps[qp_num] = qp
-        return qp
+    def _new_qp(self, qp_num: int, cq: SoftCompletionQueue) -> CmaQueuePair:
+        return CmaQueuePair(PairState(qp_num, cq), self.local, self.port, self.options, self.tuning, self._forget)
 
     def scope(self) -> str:
         """This host and the namespaces a peer must share: the boot id, the pid namespace (the pid in an
@@ -143,33 +121,19 @@ class CmaBackend(Backend):
             "yama_ptrace_scope": yama_scope(),
             "cap_sys_ptrace": has_cap_sys_ptrace(),
             "ptracer": self.policy.policy,
-            "sq_depth": max(1, min(self.options.sq_depth, MAX_SEND_WR)),
-            "max_sge": max(1, min(self.options.max_sge, MAX_SGE)),
+            **self._limits(),
             "round_bytes": self.tuning.round_bytes,
             "threads": self.tuning.threads,
             "split_bytes": self.tuning.split_bytes,
         }
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            qps = list(self._qps.values())
-            cqs = list(self._cqs)
+    def _close_pairs(self, qps: list[CmaQueuePair]) -> None:
         self.port.quiesce()  # first: no peer's window touches our memory once close returns
-        for qp in qps:
-            qp.close()
+        super()._close_pairs(qps)
+
+    def _stop(self) -> None:
         self.port.close()
-        for cq in cqs:
-            cq.close()
+
+    def _forget_memory(self) -> None:
         self.local.clear()
         self.table.close()
-
-    def _forget(self, qp: CmaQueuePair) -> None:
-        with self._lock:
-            self._qps.pop(qp.qp_num, None)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosed("the cma backend is closed")

@@ -28,10 +28,11 @@ import uuid
 
 import numpy as np
 
-from ...errors import ControlPlaneError, PeerError
+from ...errors import PeerError
 from ...status import WcStatus
 from ..base import BackendOptions, QpState, specific_options
 from ..options import CmaOptions
+from ..soft.dial import closed_on_failure
 from .inuse import InUse
 from .kernel import boot_id, map_shared, process_vm, start_time, unmap
 from .pairstate import PairState
@@ -237,6 +238,13 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
         )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.settimeout(options.connect_timeout)
+    with closed_on_failure(sock, f"qp {qp_num}: cma handshake failed", ProtocolError):
+        return _handshake(sock, name, boot, qp_num, token, options)
+
+
+def _handshake(
+    sock: socket.socket, name: str, boot: str, qp_num: int, token: bytes, options: BackendOptions
+) -> TargetLink:
     fd: int | None = None
     try:
         try:
@@ -300,15 +308,6 @@ def dial(endpoint: dict[str, object], qp_num: int, token: bytes, options: Backen
             raise ProtocolError("no 'established' after ready")
         sock.settimeout(None)
         return TargetLink(sock, pid, view, inuse)
-    except ProtocolError as exc:
-        sock.close()
-        raise ControlPlaneError(f"qp {qp_num}: cma handshake failed: {exc}") from exc
-    except OSError as exc:
-        sock.close()
-        raise ControlPlaneError(f"qp {qp_num}: cma handshake failed: {exc}") from exc
-    except BaseException:
-        sock.close()
-        raise
     finally:
         if fd is not None:
             os.close(fd)

@@ -9,19 +9,12 @@ port's thread for its connection hands out memfds and collects acks.
 
 from __future__ import annotations
 
-import logging
 import os
-import secrets
-import threading
-from collections.abc import Callable
 
 from ...errors import InvalidArgument
-from ...status import WcStatus
-from ...work import WorkBatch
-from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
+from ..base import BackendOptions, Endpoint, QpState
 from ..options import CmaOptions
-from ..softcq import SoftCompletionQueue
-from ..softpair import check_shape
+from ..soft.qp import MAX_SEND_WR, MAX_SGE, OnClose, SoftQueuePair
 from .initiator import TargetLink, dial
 from .iov import Mover
 from .pairstate import PairState
@@ -31,46 +24,31 @@ from .worker import Executor, work_loop
 
 __all__ = ["MAX_SEND_WR", "MAX_SGE", "CmaQueuePair"]
 
-log = logging.getLogger("moriio_async.cma")
 
-MAX_SEND_WR = 1 << 16
-MAX_SGE = 256
+class CmaQueuePair(SoftQueuePair[PairState]):
+    """A cma pair over ``pair_state``: dials the target port of its peer's backend, or waits on ``port``."""
 
+    backend = "cma"
 
-class CmaQueuePair(QueuePair):
     def __init__(
         self,
-        qp_num: int,
-        cq: SoftCompletionQueue,
+        pair_state: PairState,
         local: LocalTable,
         port: TargetPort,
         options: BackendOptions,
         tuning: CmaOptions,
-        on_close: Callable[[CmaQueuePair], None],
+        on_close: OnClose,
     ) -> None:
-        self.qp_num = qp_num
-        self.max_send_wr = max(1, min(options.sq_depth, MAX_SEND_WR))
-        self.max_sge = max(1, min(options.max_sge, MAX_SGE))
-        self.token = secrets.token_bytes(16)
-        self.pair_state = PairState(qp_num, cq)
-        """The locked state the threads share (public for inspection and tests)."""
+        super().__init__(pair_state, options, on_close)
         self.link: TargetLink | None = None
         """The active side's connected target."""
         self._local = local
         self._port = port
-        self._options = options
         self._tuning = tuning
-        self._on_close = on_close
-        self._passive = False
         self._conn: Connection | None = None
         self._mover: Mover | None = None
-        self._threads: list[threading.Thread] = []
 
     # -- the contract -----------------------------------------------------------------
-
-    @property
-    def state(self) -> QpState:
-        return self.pair_state.state
 
     def endpoint(self) -> Endpoint:
         return {
@@ -84,19 +62,10 @@ class CmaQueuePair(QueuePair):
             "accepting": self._passive,
         }
 
-    def connect(self, remote: Endpoint) -> None:
-        if remote.get("backend") != "cma":
-            raise InvalidArgument(f"not a cma queue-pair endpoint: {dict(remote)!r}")
-        st = self.pair_state
-        with st.lock:
-            if st.closed or st.state != QpState.INIT:
-                raise InvalidArgument(f"connect needs a queue pair in INIT (qp {self.qp_num} is {st.state})")
-            if not remote.get("accepting"):
-                # Passive side: the active pair will dial our backend with our token. No I/O here.
-                self._passive = True
-                st.state = QpState.RTS
-                self._port.expect(self.token, self)
-                return
+    def _expect_dial_locked(self, remote: Endpoint) -> None:
+        self._port.expected.expect(self.token, self)  # the active pair dials our backend with our token
+
+    def _dial(self, remote: Endpoint) -> None:
         try:
             token = bytes.fromhex(str(remote["token"]))
             if len(token) != 16:
@@ -104,63 +73,24 @@ class CmaQueuePair(QueuePair):
         except (KeyError, ValueError, TypeError) as exc:
             raise InvalidArgument(f"malformed cma endpoint {dict(remote)!r}: {exc}") from exc
         link = dial(dict(remote), self.qp_num, token, self._options)
+        st = self.pair_state
         with st.lock:
-            if st.closed or st.state != QpState.INIT:
-                link.close()
-                raise InvalidArgument(f"qp {self.qp_num} was closed while connecting")
+            self._check_still_connectable_locked(link.close)
             self.link = link
             t = self._tuning
             self._mover = Mover(t.threads, t.split_bytes, f"moriio-cma-split-{self.qp_num}")
             ex = Executor(st, link, self._local, self._mover, t.round_bytes, self._options.connect_timeout)
-            st.state = QpState.RTS
-            self._threads = [
-                threading.Thread(target=self._guard, args=(lambda: work_loop(st, ex),), daemon=True,
-                                 name=f"moriio-cma-work-{self.qp_num}"),
-                threading.Thread(target=self._guard, args=(lambda: link.read_loop(st),), daemon=True,
-                                 name=f"moriio-cma-read-{self.qp_num}"),
-            ]  # fmt: skip
-            for thread in self._threads:
-                thread.start()
+            st.ready_locked()
+            self._start_threads({"work": lambda: work_loop(st, ex), "read": lambda: link.read_loop(st)})
 
-    def post(self, batch: WorkBatch) -> None:
-        n = len(batch)
-        check_shape(batch, self.max_sge, self.qp_num)
-        st = self.pair_state
-        with st.lock:
-            state = st.state
-            if self._passive or st.closed or state not in (QpState.RTS, QpState.ERR):
-                raise InvalidArgument(
-                    f"qp {self.qp_num} cannot post: "
-                    + ("the passive pair only answers" if self._passive else f"it is {state}")
-                    + (" and closed" if st.closed else "")
-                )
-            used = st.posted - st.released
-            if used + n > self.max_send_wr:
-                raise SendQueueFull(f"{n} requests, {self.max_send_wr - used} free slots of {self.max_send_wr}")
-            if n:
-                st.admit_locked(batch)
-
-    def to_error(self) -> None:
-        self.pair_state.fail(WcStatus.WR_FLUSH_ERR, 0)
-
-    def close(self) -> None:
-        st = self.pair_state
-        with st.lock:
-            if st.closed:
-                return
-            st.closed = True
-            st.fail_locked(WcStatus.WR_FLUSH_ERR, 0)
-            conn, link = self._conn, self.link
-        self._port.forget(self.token)
-        self._on_close(self)
+    def _shut(self) -> None:
+        conn, link = self._conn, self.link
+        self._port.expected.forget(self.token)
         if conn is not None:
             conn.shutdown()  # the initiator sees the end: its requests fail RETRY_EXC_ERR
         if link is not None:
             link.shutdown()
-        current = threading.current_thread()
-        for thread in self._threads:
-            if thread is not current:
-                thread.join()
+        self._join_threads()
         if link is not None:
             link.close()
         if self._mover is not None:
@@ -177,15 +107,4 @@ class CmaQueuePair(QueuePair):
             return True
 
     def detach(self) -> None:
-        with self.pair_state.lock:
-            self.pair_state.state = QpState.ERR
-
-    # -- threads ------------------------------------------------------------------------
-
-    def _guard(self, loop: Callable[[], None]) -> None:
-        """Run a thread's loop; an unexpected error becomes completions, never a thread exception."""
-        try:
-            loop()
-        except BaseException:
-            log.exception("cma qp %d: thread failed", self.qp_num)
-            self.pair_state.fail(WcStatus.GENERAL_ERR, 0)
+        self.pair_state.passive_ended()

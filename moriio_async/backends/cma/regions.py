@@ -20,7 +20,6 @@ then written by cross-memory attach, never through the mapping.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import mmap
 import os
@@ -34,6 +33,7 @@ import numpy.typing as npt
 from ...errors import InvalidArgument
 from ...status import Access
 from ..base import MemoryRegion
+from ..soft.pair import address_of
 from .table import LIVE, READ, WRITE, seal_fd, seal_writes
 from .wire import VendorErr
 
@@ -66,11 +66,6 @@ class Allocation:
     addr: int
     sealed: bool = False
     """Sealed against writes: peers map it read-only, and no one ever maps it writable again."""
-
-
-def address_of(view: memoryview) -> int:
-    """The buffer's address (the ctypes object, and its export, are dropped at once)."""
-    return ctypes.addressof((ctypes.c_char * 0).from_buffer(view))
 
 
 class LocalTable:

@@ -32,6 +32,7 @@ import uuid
 from typing import Protocol
 
 from ..base import BackendOptions
+from ..soft.dial import Expected
 from .inuse import InUseView, fence
 from .kernel import boot_id, start_time
 from .permissions import PtracerPolicy
@@ -169,7 +170,8 @@ class TargetPort:
         self._probe = ctypes.create_string_buffer(secrets.token_bytes(16), 16)
         self._lock = threading.Lock()
         self._closed = False
-        self._waiting: dict[bytes, Passive] = {}
+        self.expected: Expected[Passive] = Expected()
+        """Passive pairs expecting a dial, by token (each goes at its dial, or when its pair closes)."""
         self._conns: dict[Connection, threading.Thread] = {}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind("\0" + self.name)
@@ -180,14 +182,6 @@ class TargetPort:
     @property
     def probe_addr(self) -> int:
         return ctypes.addressof(self._probe)
-
-    def expect(self, token: bytes, passive: Passive) -> None:
-        with self._lock:
-            self._waiting[token] = passive
-
-    def forget(self, token: bytes) -> None:
-        with self._lock:
-            self._waiting.pop(token, None)
 
     def exported_allocation(self, alloc_id: int) -> Allocation | None:
         """The allocation, if a live region exported with remote access lies in it (else peers may not
@@ -327,8 +321,7 @@ class TargetPort:
         if cred.uid != os.getuid():
             refuse(Status.WRONG_USER)
             return None
-        with self._lock:
-            passive = self._waiting.pop(token, None)
+        passive = self.expected.claim(token)
         if passive is None or not passive.attach(conn):
             refuse(Status.UNKNOWN_TOKEN)
             return None

@@ -8,7 +8,7 @@ from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
 from ..options import MockOptions
-from ..softcq import SoftCompletionQueue
+from ..soft.cq import SoftCompletionQueue
 from .fabric import MockFabric
 from .memory import MemoryTable
 from .qp import MockQueuePair

@@ -20,9 +20,9 @@ import numpy as np
 from ...errors import InvalidArgument, PeerError
 from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
-from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull, specific_options
+from ..base import TAG_SHIFT, BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull, specific_options
 from ..options import MockOptions
-from ..softcq import SoftCompletionQueue
+from ..soft.cq import SoftCompletionQueue
 from .execute import FEW, execute, execute_few
 from .fabric import MockFabric
 from .memory import MemoryTable
@@ -60,7 +60,7 @@ class MockQueuePair(QueuePair):
         options: BackendOptions,
         on_close: Callable[[MockQueuePair], None],
     ) -> None:
-        self.qp_num = fabric.next_qp_num()
+        self.qp_num = options.qp_tag << TAG_SHIFT | fabric.next_qp_num()
         self.max_send_wr = max(1, options.sq_depth)
         self.max_sge = max(1, options.max_sge)
         self.hold = specific_options(options, MockOptions).hold

@@ -6,7 +6,7 @@ whole arrays), ``pairstate`` (a queue pair's locked state: spans, chunks,
 counters, in-order completion, the move to ERR), ``sender`` and ``receiver``
 (the active side's two threads), ``responder`` (serving one accepted
 connection), ``listener`` (the data port and the rendezvous), ``qp`` and
-``backend`` (the contract's faces), ``hooks`` and ``faults`` (fault-injection
+``backend`` (the contract's faces, on ``backends/soft``'s skeleton), ``hooks`` and ``faults`` (fault-injection
 seams, and fault plans applied at them).
 """
 

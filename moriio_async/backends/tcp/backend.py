@@ -21,43 +21,37 @@ Settings: ``TcpOptions`` (``IOEngineConfig(tcp=TcpOptions(...))``): the data por
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
-from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..base import BackendOptions, MemoryRegion, specific_options
 from ..options import TcpOptions
-from ..softcq import SoftCompletionQueue
+from ..soft.backend import SoftBackend
+from ..soft.cq import SoftCompletionQueue
 from .faults import hooks_from
 from .guard import DataGuard
 from .hooks import Hooks
 from .listener import Listener
-from .qp import MAX_SEND_WR, MAX_SGE, TcpQueuePair
+from .pairstate import PairState
+from .qp import TcpQueuePair
 from .regions import RegionTable
 from .wire import VERSION
 
 __all__ = ["TcpBackend"]
 
 
-class TcpBackend(Backend):
+class TcpBackend(SoftBackend[TcpQueuePair]):
     name: ClassVar[str] = "tcp"
 
     def __init__(self, options: BackendOptions) -> None:
-        self.options = options
+        super().__init__(options)
         self.own = specific_options(options, TcpOptions)
         self.hooks: Hooks | None = hooks_from(self.own)
         """Fault-injection hooks given to every queue pair created (see ``hooks.py``)."""
         self.regions = RegionTable()
         self.guard = DataGuard(max_failures=options.max_failures_per_source, lockout=options.failure_lockout)
         """What peers did wrong on this data plane (counters, rate-limited lines)."""
-        self._lock = threading.Lock()
-        self._closed = False
-        self._qp_numbers = itertools.count(0x10)
-        self._qps: dict[int, TcpQueuePair] = {}
-        self._cqs: list[SoftCompletionQueue] = []
         self.listener = Listener(options, self.guard)
 
     @property
@@ -87,22 +81,9 @@ class TcpBackend(Backend):
     def watch_access_errors(self, listener: Callable[[int, str], None]) -> None:
         self.guard.listener = listener
 
-    def create_cq(self, depth: int) -> CompletionQueue:
-        self._check_open()
-        cq = SoftCompletionQueue(depth)
-        with self._lock:
-            self._cqs.append(cq)
-        return cq
-
-    def create_qp(self, cq: CompletionQueue) -> QueuePair:
-        if not isinstance(cq, SoftCompletionQueue):
-            raise InvalidArgument("a tcp queue pair needs a tcp completion queue")
-        with self._lock:
-            self._check_open()
-            qp_num = next(self._qp_numbers) & 0xFFFFFF
-            qp = TcpQueuePair(qp_num, cq, self.regions, self.listener, self.options, self.hooks, self._forget)
-            self._qps[qp.qp_num] = qp
-        return qp
+    def _new_qp(self, qp_num: int, cq: SoftCompletionQueue) -> TcpQueuePair:
+        st = PairState(qp_num, cq, self.regions, self.hooks, self.options.retry_timeout)
+        return TcpQueuePair(st, self.listener, self.options, self._forget)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -110,31 +91,14 @@ class TcpBackend(Backend):
             "host": self.host,
             "data_port": self.port,
             "wire_version": VERSION,
-            "sq_depth": max(1, min(self.options.sq_depth, MAX_SEND_WR)),
-            "max_sge": max(1, min(self.options.max_sge, MAX_SGE)),
+            **self._limits(),
             "retry_timeout": self.options.retry_timeout,
             "threads": "accept 1; per active qp: send + recv; per accepted connection: 1",
             "data_plane": self.guard.snapshot(),
         }
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            qps = list(self._qps.values())
-            cqs = list(self._cqs)
-        for qp in qps:
-            qp.close()  # flushes what is outstanding, joins its threads
+    def _stop(self) -> None:
         self.listener.close()
-        for cq in cqs:
-            cq.close()
+
+    def _forget_memory(self) -> None:
         self.regions.clear()
-
-    def _forget(self, qp: TcpQueuePair) -> None:
-        with self._lock:
-            self._qps.pop(qp.qp_num, None)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosed("the tcp backend is closed")

@@ -45,6 +45,7 @@ import time
 from ...errors import BackendUnavailable, ControlPlaneError, PeerError
 from ..base import BackendOptions, specific_options
 from ..options import TcpOptions
+from ..soft.dial import Expected, closed_on_failure
 from .guard import DataGuard
 from .pairstate import PairState
 from .responder import Responder
@@ -75,7 +76,8 @@ class Listener:
         self._hellos: dict[Responder, tuple[str, float, bool]] = {}
         """Connections in their hello (each holds a thread), oldest first: remote address, accept time, and
         whether it had sent something at accept."""
-        self._waiting: dict[bytes, PairState] = {}  # token -> passive pair expecting a dial
+        self.expected: Expected[PairState] = Expected()
+        """Passive pairs expecting a dial, by token (each goes at its dial, or when its pair closes)."""
         self._threads: dict[Responder, threading.Thread] = {}
         family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -97,19 +99,10 @@ class Listener:
         self._accept_thread.daemon = True
         self._accept_thread.start()
 
-    def expect(self, token: bytes, st: PairState) -> None:
-        with self._lock:
-            self._waiting[token] = st
-
-    def forget(self, token: bytes) -> None:
-        with self._lock:
-            self._waiting.pop(token, None)
-
     @property
     def waiting(self) -> int:
         """Tokens of passive pairs not dialed yet (each goes at its dial, or when its pair closes)."""
-        with self._lock:
-            return len(self._waiting)
+        return len(self.expected)
 
     def close(self) -> None:
         """Stop accepting, end every connection and join every thread. Idempotent."""
@@ -127,10 +120,6 @@ class Listener:
             responder.stop()
         for thread in threads.values():
             thread.join()
-
-    def _claim(self, token: bytes) -> PairState | None:
-        with self._lock:
-            return self._waiting.pop(token, None)
 
     def _accept_loop(self) -> None:
         while True:
@@ -249,7 +238,7 @@ class Listener:
                 self.guard.bad_message(host, f"wire version {version}, this side {VERSION}")
                 sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.BAD_VERSION, 0))
                 return None
-            st = self._claim(token)
+            st = self.expected.claim(token)
             if st is None or not st.attach(responder):
                 self.guard.refused_token(host)
                 sock.sendall(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.UNKNOWN_TOKEN, 0))
@@ -290,7 +279,7 @@ def dial(host: str, port: int, token: bytes, qp_num: int, options: BackendOption
             f"qp {qp_num}: cannot open the data connection to {where}: {exc}",
             hint="check that the peer's backend is up and its data port is reachable",
         ) from exc
-    try:
+    with closed_on_failure(sock, f"qp {qp_num}: handshake with {where} failed"):
         sock.sendall(HELLO.pack(MAGIC, VERSION, 0, token, qp_num))
         ack = bytearray(HELLO_ACK.size)
         view = memoryview(ack)
@@ -314,10 +303,4 @@ def dial(host: str, port: int, token: bytes, qp_num: int, options: BackendOption
                 hint="the passive pair was closed or its engine restarted; exchange endpoints again",
             )
         configure_data_socket(sock, options.retry_timeout)
-    except OSError as exc:
-        sock.close()
-        raise ControlPlaneError(f"qp {qp_num}: handshake with {where} failed: {exc}") from exc
-    except BaseException:
-        sock.close()
-        raise
     return sock

@@ -10,13 +10,14 @@ order whichever thread makes them; a response completes a range of requests
 at once, pushing a completion for each signaled one (O(signaled), not
 O(requests)) and counting the rest as covered by the next.
 
-The lock rules, in one place:
+The lock rules, in one place (with the ones every software pair follows,
+``soft/state.py``: ``lock`` guards every field, completions are pushed under
+it, ``posted``/``released`` have one writer each):
 
-* ``lock`` guards every field of this object. The poster (``admit``), the
-  sender (``take``, ``settle``), the receiver (``complete``, ``fail``),
-  ``to_error`` and ``close`` take it; nothing blocks while holding it,
-  except that entering ERR waits for ``rx_lock`` (below), and every
-  completion is pushed to the CQ under it (the CQ's lock nests inside).
+* The poster (``admit``, ``take_one_locked``), the sender (``take``,
+  ``settle``), the receiver (``complete``, ``fail``), ``to_error`` and
+  ``close`` take ``lock``. Entering ERR (``quiesce_locked``) waits for
+  ``rx_lock`` and ``tx_io`` (below).
 * ``send_cv`` and ``recv_cv`` (conditions on ``lock``) wake the sender and
   the receiver.
 * ``tx_lock`` is held by whoever writes chunks to the socket: the sender
@@ -36,9 +37,6 @@ The lock rules, in one place:
 * ``rx_lock`` is held by the receiver while a READ response lands in local
   memory; entering ERR shuts the socket down (which ends that call) and
   then waits for it, so no byte lands after a flush is visible.
-* Slots: ``posted`` is written under ``lock``; ``released`` by the CQ's
-  poller, under the CQ's lock (``release_slots``); the poster reads their
-  difference. Each has one writer.
 * A call that keeps the GIL (``HeldIo``) may sleep for the socket's own lock
   (the kernel's, serialising calls on one TCP socket), with every Python
   thread of the process stopped meanwhile. A blocking ``sendmsg`` holds that
@@ -62,17 +60,16 @@ import contextlib
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from ...status import Opcode, WcStatus
-from ...work import WorkBatch, WorkCompletion
+from ...work import WorkBatch
 from ..base import QpState
-from ..softcq import SoftCompletionQueue
-from ..softpair import Completions, fold_successes
+from ..soft.cq import SoftCompletionQueue
+from ..soft.state import SoftPairState
+from ..soft.state import Span as SoftSpan
 from .hooks import Hooks
 from .iov import HeldIo, Iov
 from .regions import Checked, RegionTable
@@ -83,10 +80,9 @@ __all__ = ["CHUNK_BYTES", "Chunk", "PairState", "PendingWrite", "Span", "Stoppab
 CHUNK_BYTES = 1 << 20
 """Payload bytes per chunk (at least one request): a response completes about this much at once."""
 
-_OPCODES = {int(o): o for o in Opcode}
 _READ = int(Opcode.RDMA_READ)
 _RTS, _ERR = QpState.RTS, QpState.ERR
-_SUCCESS, _FLUSH = WcStatus.SUCCESS, WcStatus.WR_FLUSH_ERR
+_SUCCESS = WcStatus.SUCCESS
 
 
 class Stoppable(Protocol):
@@ -112,33 +108,15 @@ class PendingWrite:
     """What else the iovecs point into (the chunk headers), kept alive until then."""
 
 
-class Span:
+class Span(SoftSpan):
     """Posted requests ``pos:`` of ``batch`` that no sender has taken; request ``i`` is posting number ``seq + i``."""
 
-    __slots__ = ("batch", "cuts", "ends", "pos", "seq")
-
-    def __init__(self, batch: WorkBatch, seq: int) -> None:
-        self.batch = batch
-        self.seq = seq
-        self.pos = 0
-        self.cuts: list[int] | None = None  # where the opcode changes, then len(batch)
-        self.ends: np.ndarray | None = None  # cumulative request lengths
+    __slots__ = ()
 
     def next_chunk(self, single: bool) -> int:
         """Where the chunk starting at ``pos`` ends: one opcode, at most MAX_CHUNK requests and
-        about CHUNK_BYTES of payload (at least one request)."""
-        batch, pos = self.batch, self.pos
-        n = len(batch)
-        if single or n - pos == 1:
-            return pos + 1
-        if self.cuts is None:
-            self.cuts = [*(np.flatnonzero(np.diff(batch.opcode)) + 1).tolist(), n]
-            self.ends = np.cumsum(batch.length)
-        assert self.ends is not None
-        run_end = next(c for c in self.cuts if c > pos)
-        before = int(self.ends[pos - 1]) if pos else 0
-        by_bytes = int(np.searchsorted(self.ends, before + CHUNK_BYTES, side="right"))
-        return max(pos + 1, min(run_end, pos + MAX_CHUNK, by_bytes))
+        about CHUNK_BYTES of payload (at least one request); one request for a hooked pair."""
+        return self.pos + 1 if single else self.cut(CHUNK_BYTES, MAX_CHUNK)
 
 
 class Chunk:
@@ -168,37 +146,40 @@ class Chunk:
         return (self.seq + i - self.lo) & SEQ_MASK
 
 
-class PairState:
+class PairState(SoftPairState[Span]):
     """One queue pair's posted, sent and outstanding requests, its counters and its state."""
 
-    def __init__(self, qp_num: int, cq: SoftCompletionQueue, regions: RegionTable, hooks: Hooks | None) -> None:
-        self.qp_num = qp_num
-        self.cq = cq
+    def __init__(
+        self,
+        qp_num: int,
+        cq: SoftCompletionQueue,
+        regions: RegionTable,
+        hooks: Hooks | None,
+        retry_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(qp_num, cq, Span)
         self.regions = regions
         self.hooks = hooks
         """Fault-injection seams (``hooks.py``); read by the NIC threads at each request."""
-        self.lock = threading.Lock()
         self.send_cv = threading.Condition(self.lock)
         self.recv_cv = threading.Condition(self.lock)
         self.tx_lock = threading.Lock()
         self.rx_lock = threading.Lock()
         self.tx_io = threading.Lock()
-        self.state = QpState.INIT
-        self.pending: deque[Span] = deque()
         self.wire: deque[Chunk] = deque()
-        self.posted = 0
-        self.released = 0
-        self.uncovered = 0  # successful unsignaled requests the next completion covers
         self.send_stopped = False  # a request failed locally: nothing after it is sent
         self.tx_pending: PendingWrite | None = None  # written under tx_lock
         self.held = HeldIo()
         """The doorbell's non-blocking writes that keep the GIL (used under tx_lock)."""
         self.sock: socket.socket | None = None  # the active side's connection
         self.responder: Stoppable | None = None  # the passive side's
-        self.retry_timeout = 5.0
-        """The silence timeout (set by the pair): also the base of a response's deadline once it came short."""
-        self.closed = False
+        self.retry_timeout = retry_timeout
+        """The silence timeout: also the base of a response's deadline once it came short."""
         self.aborted = False  # a local region one of its socket calls held was deregistered
+
+    def use_hooks(self, hooks: Hooks | None) -> None:
+        """Act on this pair's requests through ``hooks`` from now on (None: none)."""
+        self.hooks = hooks
 
     def writing(self) -> bool:
         """A round or a doorbell may be in a socket call that holds the socket's lock: no receive
@@ -206,7 +187,12 @@ class PairState:
         receive wait once, for one call: rare, and no worse than without the check.)"""
         return self.tx_lock.locked()
 
-    # -- the passive side ---------------------------------------------------------------
+    # -- the two sides ------------------------------------------------------------------
+
+    def connected_locked(self, sock: socket.socket) -> None:
+        """The active side dialled its peer: ``sock`` carries this pair from now on."""
+        self.sock = sock
+        self.ready_locked()
 
     def attach(self, responder: Stoppable) -> bool:
         """The dial carrying our token arrived; False if this pair is gone or taken meanwhile."""
@@ -218,19 +204,20 @@ class PairState:
 
     def responder_done(self) -> None:
         """The passive pair's connection ended: the pair is unusable from now on."""
-        with self.lock:
-            self.state = _ERR
+        self.passive_ended()
 
     # -- posting and sending ----------------------------------------------------------
 
-    def admit_locked(self, batch: WorkBatch) -> None:
-        """Accept a checked batch that fits the send queue (in ERR: flush it at once, as verbs does)."""
-        seq = self.posted
-        self.posted += len(batch)
-        if self.state == _ERR:
-            self._push(self._flushes(batch, 0, _FLUSH, 0))
-            return
-        self.pending.append(Span(batch, seq))
+    def sender_idle_locked(self) -> bool:
+        """Nothing for the sender thread to send: nothing parked, and no span untaken (or a local
+        failure stopped sending). The sender waits while this holds."""
+        return self.tx_pending is None and (self.send_stopped or not self.pending)
+
+    def may_ring_locked(self) -> bool:
+        """A post may write to the socket itself (the doorbell): the sender is idle with nothing
+        untaken and no local failure, and the pair has no hooks (a hooked pair's requests all go
+        through the sender thread)."""
+        return self.sender_idle_locked() and not self.pending and not self.send_stopped and self.hooks is None
 
     def take_locked(self, max_bytes: int) -> list[Chunk]:
         """Move the next chunks from ``pending`` to ``wire`` (unsent) for one write of at most about
@@ -246,12 +233,26 @@ class PairState:
             chunk = Chunk(span.batch, span.pos, end, span.seq + span.pos)
             chunks.append(chunk)
             if not chunk.is_read:
-                total += span.batch.length.item(span.pos) if end == span.pos + 1 else _bytes(span, end)
+                total += span.batch.length.item(span.pos) if end == span.pos + 1 else span.payload_to(end)
             span.pos = end
             if end == len(span.batch):
                 self.pending.popleft()
         self.wire.extend(chunks)
         return chunks
+
+    def take_one_locked(self, batch: WorkBatch) -> Chunk:
+        """Admit the single request of ``batch`` and put it on the wire as sent, in one step (the
+        doorbell's single read or write, checked already; the caller holds ``tx_lock`` and found
+        the sender idle and the pair in RTS)."""
+        seq = self.posted
+        self.posted = seq + 1
+        chunk = Chunk(batch, 0, 1, seq)
+        chunk.sent = True
+        wire = self.wire
+        wire.append(chunk)
+        if wire[0] is chunk:
+            self.recv_cv.notify()  # the receiver waits only while the head is unsent
+        return chunk
 
     def settle_locked(self, chunks: list[Chunk], presets: dict[int, tuple[int, WcStatus, int]]) -> bool:
         """The sender built ``chunks``: mark them sent, except where ``presets`` (chunk index ->
@@ -308,9 +309,6 @@ class PairState:
 
     # -- completing -------------------------------------------------------------------
 
-    def release_slots(self, n: int) -> None:
-        self.released += n
-
     def complete_locked(self, chunk: Chunk, k: int) -> None:
         """Requests ``chunk.next`` to ``chunk.next + k`` succeeded (``chunk`` is the head)."""
         a = chunk.next
@@ -318,9 +316,7 @@ class PairState:
         chunk.next = b
         if b == chunk.hi:
             self.wire.popleft()
-        out, self.uncovered = fold_successes(chunk.batch, a, b, self.uncovered, self.qp_num)
-        if out:
-            self.cq.push_many(out, self)
+        self.succeeded_locked(chunk.batch, a, b)
 
     def complete_presets_locked(self) -> None:
         """Complete (or fail at) preset chunks that reached the head."""
@@ -332,6 +328,20 @@ class PairState:
                 self.fail_locked(status, vendor)
                 return
             self.complete_locked(chunk, chunk.hi - chunk.next)
+
+    def finish_response_locked(self, head: Chunk, done: int, status: int, vendor: int) -> bool:
+        """The head chunk's response (or a hook's verdict on it): its first ``done`` requests
+        succeeded, and with a non-zero ``status`` the next one failed. True while the receiver
+        goes on (the pair is still in RTS)."""
+        if self.state != _RTS:
+            return False  # flushed meanwhile (to_error, close)
+        if done:
+            self.complete_locked(head, done)
+        if status:
+            self.fail_locked(WcStatus.parse(status), vendor)
+            return False
+        self.complete_presets_locked()
+        return self.state == _RTS
 
     # -- the error state ----------------------------------------------------------------
 
@@ -353,15 +363,7 @@ class PairState:
                 else:
                     self.fail_locked(WcStatus.RETRY_EXC_ERR, vendor)
 
-    def fail(self, status: WcStatus, vendor: int) -> None:
-        with self.lock:
-            self.fail_locked(status, vendor)
-
-    def fail_locked(self, status: WcStatus, vendor: int) -> None:
-        """Enter ERR: the oldest outstanding request gets ``status``, every later one WR_FLUSH_ERR."""
-        if self.state == _ERR:
-            return
-        self.state = _ERR
+    def quiesce_locked(self) -> None:
         self.send_cv.notify_all()
         self.recv_cv.notify_all()
         if self.responder is not None:
@@ -382,36 +384,12 @@ class PairState:
                 self.drop_parked()
             finally:
                 self.tx_lock.release()
-        out: Completions = []
+
+    def unfinished_locked(self) -> Iterator[tuple[WorkBatch, int, int | None]]:
         for chunk in self.wire:
-            out += self._flushes(chunk.batch, chunk.next, status, vendor, chunk.hi)
-            if out:
-                status, vendor = _FLUSH, 0
-        for span in self.pending:
-            out += self._flushes(span.batch, span.pos, status, vendor)
-            if out:
-                status, vendor = _FLUSH, 0
+            yield chunk.batch, chunk.next, chunk.hi
+        yield from super().unfinished_locked()
+
+    def clear_locked(self) -> None:
         self.wire.clear()
-        self.pending.clear()
-        self._push(out)
-
-    def _flushes(
-        self, batch: WorkBatch, start: int, status: WcStatus, vendor: int, stop: int | None = None
-    ) -> Completions:
-        """Completions for requests ``start:stop``: the first with ``status``, the rest flushed."""
-        out: Completions = []
-        first, qp_num = batch.wr_id, self.qp_num
-        for i, op in enumerate(batch.opcode[start:stop].tolist(), start):
-            out.append((WorkCompletion(first + i, status, _OPCODES[op], 0, qp_num, vendor), self.uncovered + 1))
-            self.uncovered = 0
-            status, vendor = _FLUSH, 0
-        return out
-
-    def _push(self, out: Completions) -> None:
-        if out:
-            self.cq.push_many(out, self)
-
-
-def _bytes(span: Span, end: int) -> int:
-    assert span.ends is not None
-    return int(span.ends[end - 1]) - (int(span.ends[span.pos - 1]) if span.pos else 0)
+        super().clear_locked()

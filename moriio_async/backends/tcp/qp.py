@@ -18,64 +18,42 @@ asks it to (``accepting``), its ``connect`` refuses.
 
 from __future__ import annotations
 
-import logging
+import functools
 import secrets
 import socket
-import threading
 from collections.abc import Callable
 
 from ...core.auth import token_for
 from ...errors import InvalidArgument
-from ...status import Opcode, WcStatus
+from ...status import Opcode
 from ...work import WorkBatch
-from ..base import BackendOptions, Endpoint, QpState, QueuePair, SendQueueFull
-from ..softcq import SoftCompletionQueue
-from ..softpair import check_shape
+from ..base import BackendOptions, Endpoint, QpState
+from ..soft.pair import check_shape
+from ..soft.qp import MAX_SEND_WR, MAX_SGE, OnClose, SoftQueuePair
 from .hooks import Hooks
 from .listener import Listener, dial
 from .pairstate import PairState
 from .receiver import recv_loop
-from .regions import RegionTable
 from .sender import INLINE_BYTES, ring, ring_locked, ring_one_locked, send_loop
 
 __all__ = ["MAX_SEND_WR", "MAX_SGE", "TcpQueuePair"]
 
-log = logging.getLogger("moriio_async.tcp")
-
-MAX_SEND_WR = 1 << 16
-MAX_SGE = 256
-
 _WRITE = int(Opcode.RDMA_WRITE)
 
 
-class TcpQueuePair(QueuePair):
-    def __init__(
-        self,
-        qp_num: int,
-        cq: SoftCompletionQueue,
-        regions: RegionTable,
-        listener: Listener,
-        options: BackendOptions,
-        hooks: Hooks | None,
-        on_close: Callable[[TcpQueuePair], None],
-    ) -> None:
-        self.qp_num = qp_num
-        self.max_send_wr = max(1, min(options.sq_depth, MAX_SEND_WR))
-        self.max_sge = max(1, min(options.max_sge, MAX_SGE))
-        self.token = secrets.token_bytes(16)
-        """What the active side presents in its hello: random here; derived once a session key is bound."""
+class TcpQueuePair(SoftQueuePair[PairState]):
+    """A tcp pair over ``pair_state`` (its regions and hooks in it): dials, or is dialled through
+    ``listener``, with a token that is random or derived from the control link's session key."""
+
+    backend = "tcp"
+
+    def __init__(self, pair_state: PairState, listener: Listener, options: BackendOptions, on_close: OnClose) -> None:
+        super().__init__(pair_state, options, on_close)
         self.nonce = secrets.token_bytes(16)
         self.remote: dict[str, object] = {}
-        self.pair_state = PairState(qp_num, cq, regions, hooks)
-        self.pair_state.retry_timeout = options.retry_timeout
-        """The locked state the NIC threads share (public for inspection and tests)."""
         self._listener = listener
-        self._options = options
-        self._on_close = on_close
-        self._passive = False
         self._answering = False
         self._session_key: bytes | None = None
-        self._threads: list[threading.Thread] = []
 
     @property
     def hooks(self) -> Hooks | None:
@@ -84,13 +62,9 @@ class TcpQueuePair(QueuePair):
 
     @hooks.setter
     def hooks(self, hooks: Hooks | None) -> None:
-        self.pair_state.hooks = hooks
+        self.pair_state.use_hooks(hooks)
 
     # -- the contract -----------------------------------------------------------------
-
-    @property
-    def state(self) -> QpState:
-        return self.pair_state.state
 
     def bind_session(self, session_key: bytes | None, *, answering: bool) -> None:
         with self.pair_state.lock:
@@ -116,32 +90,29 @@ class TcpQueuePair(QueuePair):
         assert self._session_key is not None
         return token_for(self._session_key, f"tcp-data/{passive_qp}/{active_qp}/{nonce.hex()}", 0)
 
-    def connect(self, remote: Endpoint) -> None:
-        if remote.get("backend") != "tcp":
-            raise InvalidArgument(f"not a tcp queue-pair endpoint: {_shown(remote)}")
-        st = self.pair_state
-        with st.lock:
-            if st.closed or st.state != QpState.INIT:
-                raise InvalidArgument(f"connect needs a queue pair in INIT (qp {self.qp_num} is {st.state})")
-            if not remote.get("accepting"):
-                # Passive side: the active pair will dial us with the token (derived, or ours).
-                if self._session_key is not None:
-                    try:
-                        active_qp = int(remote["qp_num"])
-                    except (KeyError, ValueError, TypeError) as exc:
-                        raise InvalidArgument(f"malformed tcp endpoint {_shown(remote)}: {exc!r}") from exc
-                    self.token = self._derive(self.qp_num, active_qp, self.nonce)
-                self.remote = dict(remote)
-                self._passive = True
-                st.state = QpState.RTS
-                self._listener.expect(self.token, st)
-                return
-            if self._answering:
-                # The contract (backends/base.py): an answering pair never dials, whatever it is told.
-                raise InvalidArgument(
-                    f"qp {self.qp_num} answers a peer's session and never dials; the endpoint asked it to"
-                )
-            self.remote = dict(remote)
+    def _shown(self, remote: Endpoint) -> str:
+        return _shown(remote)
+
+    def _expect_dial_locked(self, remote: Endpoint) -> None:
+        # The active pair will dial us with the token (derived, or ours).
+        if self._session_key is not None:
+            try:
+                active_qp = int(remote["qp_num"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise InvalidArgument(f"malformed tcp endpoint {_shown(remote)}: {exc!r}") from exc
+            self.token = self._derive(self.qp_num, active_qp, self.nonce)
+        self.remote = dict(remote)
+        self._listener.expected.expect(self.token, self.pair_state)
+
+    def _before_dial_locked(self, remote: Endpoint) -> None:
+        if self._answering:
+            # The contract (backends/base.py): an answering pair never dials, whatever it is told.
+            raise InvalidArgument(
+                f"qp {self.qp_num} answers a peer's session and never dials; the endpoint asked it to"
+            )
+        self.remote = dict(remote)
+
+    def _dial(self, remote: Endpoint) -> None:
         assert not self._answering
         try:
             host, port, peer_qp = str(remote["host"]), int(remote["port"]), int(remote["qp_num"])
@@ -155,32 +126,24 @@ class TcpQueuePair(QueuePair):
                 hint="both engines must run with the same shared secret setting and moriio_async version",
             ) from exc
         sock = dial(host, port, token, self.qp_num, self._options)
+        st = self.pair_state
         with st.lock:
-            if st.closed or st.state != QpState.INIT:
-                sock.close()
-                raise InvalidArgument(f"qp {self.qp_num} was closed while connecting")
-            st.sock = sock
-            st.state = QpState.RTS
-            self._threads = self._start_threads(sock)
+            self._check_still_connectable_locked(sock.close)
+            st.connected_locked(sock)
+            self._start_threads({
+                "send": functools.partial(self._loop, send_loop, sock),
+                "recv": functools.partial(self._loop, recv_loop, sock),
+            })  # fmt: skip
 
     def post(self, batch: WorkBatch) -> None:
         n = len(batch)
         check_shape(batch, self.max_sge, self.qp_num)
         st = self.pair_state
         with st.lock:
-            state = st.state
-            if self._passive or st.closed or state not in (QpState.RTS, QpState.ERR):
-                raise InvalidArgument(
-                    f"qp {self.qp_num} cannot post: "
-                    + ("the passive pair only answers" if self._passive else f"it is {state}")
-                    + (" and closed" if st.closed else "")
-                )
-            used = st.posted - st.released
-            if used + n > self.max_send_wr:
-                raise SendQueueFull(f"{n} requests, {self.max_send_wr - used} free slots of {self.max_send_wr}")
+            state = self._admit_check_locked(n)
             if not n:
                 return
-            idle = not st.pending and st.tx_pending is None and not st.send_stopped and st.hooks is None
+            idle = st.may_ring_locked()
             rnd = None
             if n == 1 and idle and state == QpState.RTS and st.tx_lock.acquire(blocking=False):
                 try:
@@ -189,8 +152,7 @@ class TcpQueuePair(QueuePair):
                     if rnd is None:
                         st.tx_lock.release()
             if rnd is None:
-                st.admit_locked(batch)
-                if st.state != QpState.RTS:
+                if not st.admit_locked(batch):
                     return  # flushed at once
                 if not (idle and _payload(batch) <= INLINE_BYTES and st.tx_lock.acquire(blocking=False)):
                     st.send_cv.notify()
@@ -213,52 +175,20 @@ class TcpQueuePair(QueuePair):
             with st.lock:
                 st.send_cv.notify()
 
-    def to_error(self) -> None:
+    def _shut(self) -> None:
         st = self.pair_state
-        with st.lock:
-            st.fail_locked(WcStatus.WR_FLUSH_ERR, 0)
-
-    def close(self) -> None:
-        st = self.pair_state
-        with st.lock:
-            if st.closed:
-                return
-            st.closed = True
-            st.fail_locked(WcStatus.WR_FLUSH_ERR, 0)
-            sock, responder = st.sock, st.responder
-        self._listener.forget(self.token)
-        self._on_close(self)
-        if responder is not None:
+        self._listener.expected.forget(self.token)
+        if st.responder is not None:
             # Not joined: close may run on the event loop, and the responder's thread ends on its own
             # once its socket is shut (the listener keeps it, and the backend's close joins it).
-            responder.stop()
+            st.responder.stop()
             return
-        current = threading.current_thread()
-        for t in self._threads:
-            if t is not current:
-                t.join()
-        if sock is not None:
-            sock.close()
+        self._join_threads()
+        if st.sock is not None:
+            st.sock.close()
 
-    # -- threads ------------------------------------------------------------------------
-
-    def _start_threads(self, sock: socket.socket) -> list[threading.Thread]:
-        threads = [
-            threading.Thread(target=self._guard, args=(send_loop, sock), name=f"moriio-tcp-send-{self.qp_num}"),
-            threading.Thread(target=self._guard, args=(recv_loop, sock), name=f"moriio-tcp-recv-{self.qp_num}"),
-        ]
-        for t in threads:
-            t.daemon = True
-            t.start()
-        return threads
-
-    def _guard(self, loop: Callable[[PairState, socket.socket], None], sock: socket.socket) -> None:
-        """Run a NIC loop; an unexpected error becomes completions, never a thread exception."""
-        try:
-            loop(self.pair_state, sock)
-        except BaseException:
-            log.exception("tcp qp %d: NIC thread failed", self.qp_num)
-            self.pair_state.fail(WcStatus.GENERAL_ERR, 0)
+    def _loop(self, loop: Callable[[PairState, socket.socket], None], sock: socket.socket) -> None:
+        loop(self.pair_state, sock)
 
 
 def _shown(remote: Endpoint) -> str:

@@ -157,15 +157,8 @@ def _on_write_response(st: PairState, r: Response) -> bool:
         if head is None or head.preset is not None or not head.sent or head.is_read or not _valid(head, r):
             st.fail_locked(WcStatus.BAD_RESP_ERR, VendorErr.BAD_RESPONSE)
             return False
-        hooks = st.hooks
-        if hooks is None:
-            if done:
-                st.complete_locked(head, done)
-            if status:
-                st.fail_locked(WcStatus.parse(status), vendor)
-                return False
-            st.complete_presets_locked()
-            return st.state == _RTS
+        if st.hooks is None:
+            return st.finish_response_locked(head, done, status, vendor)
         wr = head.batch.request(head.next)  # a hooked pair's chunks hold one request
     return _hooked(st, head, wr, status, vendor)
 
@@ -181,15 +174,9 @@ def _hooked(st: PairState, head: Chunk, wr: WorkRequest, status: int, vendor: in
             return False
         if isinstance(verdict, WcStatus):
             wc_status, err = verdict, (0 if verdict is WcStatus.SUCCESS else VendorErr.HOOK)
+    done = head.hi - head.next if wc_status is WcStatus.SUCCESS else 0  # the whole chunk: one request
     with st.lock:
-        if st.state != _RTS:
-            return False  # flushed meanwhile (to_error, close)
-        if wc_status is not WcStatus.SUCCESS:
-            st.fail_locked(wc_status, err)
-            return False
-        st.complete_locked(head, head.hi - head.next)
-        st.complete_presets_locked()
-        return st.state == _RTS
+        return st.finish_response_locked(head, done, wc_status, err)
 
 
 def _read_chunk(
@@ -276,15 +263,7 @@ def _read_chunk(
     if st.hooks is not None:
         return _hooked(st, head, head.batch.request(head.next), status, vendor)
     with st.lock:
-        if st.state != _RTS:
-            return False
-        if done:
-            st.complete_locked(head, done)
-        if status:
-            st.fail_locked(WcStatus.parse(status), vendor)
-            return False
-        st.complete_presets_locked()
-        return st.state == _RTS
+        return st.finish_response_locked(head, done, status, vendor)
 
 
 def _finish_header(st: PairState, sock: socket.socket, header: np.ndarray, got: int) -> None:

@@ -26,7 +26,6 @@ deregistration wait either. Pins without a holder are waited for.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import secrets
@@ -42,6 +41,7 @@ import numpy.typing as npt
 from ...errors import InvalidArgument
 from ...status import Access, Opcode
 from ..base import MemoryRegion
+from ..soft.pair import address_of
 from .wire import VendorErr
 
 __all__ = ["ABORT_GRACE", "Abortable", "Checked", "KeyStream", "RegionTable", "TcpRegion", "unpin_all"]
@@ -156,11 +156,6 @@ class KeyStream:
             key = self.permute(n)
             if key:
                 return key
-
-
-def address_of(view: memoryview) -> int:
-    """The buffer's real address (the ctypes object, and its export, are dropped at once)."""
-    return ctypes.addressof((ctypes.c_char * 0).from_buffer(view))
 
 
 class RegionTable:

@@ -261,7 +261,7 @@ def _send_rounds(st: PairState, sock: socket.socket) -> None:
             # After a local failure nothing new is sent (the pair enters ERR when it reaches the
             # head), but a write a doorbell parks meanwhile still goes out: the requests before
             # the failure are in it. So the thread lives until the pair leaves RTS.
-            while st.state == _RTS and st.tx_pending is None and (st.send_stopped or not st.pending):
+            while st.state == _RTS and st.sender_idle_locked():
                 st.send_cv.wait()
             if st.state != _RTS:
                 return
@@ -347,15 +347,8 @@ def ring_one_locked(st: PairState, batch: WorkBatch) -> Round | None:
             return None
     region = checked.found[0]
     assert region is not None
-    seq = st.posted
-    st.posted = seq + 1
-    chunk = Chunk(batch, 0, 1, seq)
-    chunk.sent = True
-    wire = st.wire
-    wire.append(chunk)
-    if wire[0] is chunk:
-        st.recv_cv.notify()  # the receiver waits only while the head is unsent
-    head = _HEAD1.pack(op, 0, 0, seq & SEQ_MASK, 1, 0, batch.rkey.item(0), 0, batch.remote_addr.item(0), length)
+    chunk = st.take_one_locked(batch)
+    head = _HEAD1.pack(op, 0, 0, chunk.seq & SEQ_MASK, 1, 0, batch.rkey.item(0), 0, batch.remote_addr.item(0), length)
     off = addr - region.addr
     view = region.view[off : off + size]
     blocks = [(addr, size)]

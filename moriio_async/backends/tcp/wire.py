@@ -63,14 +63,15 @@ __all__ = [
     "peer_progress",
 ]
 
-MAGIC: Final = b"MRIO"
-VERSION: Final = 2
-
 HELLO: Final = struct.Struct("<4sHH16sI")
 HELLO_ACK: Final = struct.Struct("<4sHHI")
 CHUNK: Final = struct.Struct("<BBHIII")
 DESC: Final = np.dtype([("rkey", "<u4"), ("reserved", "<u4"), ("addr", "<u8"), ("length", "<u8")])
 RESPONSE: Final = struct.Struct("<BBHIIIQ")
+
+MAGIC: Final = b"MRIO"
+"""The first bytes of a hello and of its ack: a data port, not some other service."""
+VERSION: Final = 2
 
 MAX_CHUNK: Final = 1024
 """Requests per chunk: bounds what a peer makes the target allocate (24 KiB of descriptors)."""

@@ -150,7 +150,7 @@ class VerbsBackend(Backend):
             try:
                 qp = VerbsQueuePair(
                     self.ctx, self.pd, cq, self.config, self._lkeys.get, depth=depth, max_sge=sge,
-                    extended=self.extended_qp, faults=self.fault_seam,
+                    extended=self.extended_qp, faults=self.fault_seam, qp_tag=self.options.qp_tag,
                 )  # fmt: skip
                 break
             except VerbsError as exc:
@@ -236,13 +236,13 @@ class VerbsBackend(Backend):
             log.error("verbs: %s on %s: failing every queue pair", name, self.ctx.name)
             for qp in qps:
                 qp.to_error()
-                qp.cq.request_kill(qp.qp_num, WcStatus.FATAL_ERR)
+                qp.cq.request_kill(qp.qpn, WcStatus.FATAL_ERR)
         elif kind in _QP_EVENTS:
             # pyverbs does not say which pair: look for the ones the device moved to an error state.
             for qp in qps:
                 state = qp.hw_state()
                 if state in (QPS_ERR, QPS_SQE, None):
-                    log.warning("verbs: %s: QP %d is in error; its requests flush", name, qp.qp_num)
+                    log.warning("verbs: %s: QP %d is in error; its requests flush", name, qp.qpn)
                     if state == QPS_SQE:
                         qp.to_error()
                     self._suspect(qp)
@@ -264,7 +264,7 @@ class VerbsBackend(Backend):
                 log.warning(
                     "verbs: QP %d did not flush within %.1fs: completing from the ledger", qp_num, self.flush_grace
                 )
-                qp.cq.request_kill(qp_num, WcStatus.WR_FLUSH_ERR)
+                qp.cq.request_kill(qp.qpn, WcStatus.WR_FLUSH_ERR)
 
     def _check_open(self) -> None:
         if self._closed:

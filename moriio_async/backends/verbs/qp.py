@@ -17,7 +17,7 @@ import numpy.typing as npt
 from ...errors import InvalidArgument
 from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch
-from ..base import Endpoint, QpState, QueuePair, SendQueueFull
+from ..base import TAG_SHIFT, Endpoint, QpState, QueuePair, SendQueueFull
 from ._pyverbs import Context, PdHandle, QpHandle
 from .checks import first_bad_local
 from .cq import VerbsCompletionQueue
@@ -75,6 +75,7 @@ class VerbsQueuePair(QueuePair):
         max_sge: int,
         extended: bool = True,
         faults: VerbsFaultSeam | None = None,
+        qp_tag: int = 0,
     ) -> None:
         access = int(Access.all())
         # One slot more than offered: room for the fence (see _fail_from).
@@ -91,11 +92,14 @@ class VerbsQueuePair(QueuePair):
         self._regions = regions
         self.cq = cq
         self.config = config
-        self.qp_num = self.handle.qp_num
+        self.qpn = self.handle.qp_num
+        """The device's number for the pair: in its completions, its ledger and its endpoint."""
+        self.qp_num = qp_tag << TAG_SHIFT | self.qpn
+        """The engine's number for it: the device's, with the backend's tag above (``BackendOptions.qp_tag``)."""
         self.max_send_wr = min(depth, self.handle.max_send_wr - 1)
         self.max_sge = min(max_sge, self.handle.max_send_sge)
-        self.ledger = SendLedger(self.qp_num, self.max_send_wr)
-        cq.ledgers[self.qp_num] = self.ledger
+        self.ledger = SendLedger(self.qpn, self.max_send_wr)
+        cq.ledgers[self.qpn] = self.ledger
         self.lock = threading.Lock()
         """Held by ``close`` and by the event watcher, so no thread touches a destroyed pair."""
         self.closed = False
@@ -103,10 +107,10 @@ class VerbsQueuePair(QueuePair):
         """A fault plan's hold on this pair (tests and ``moriio-async faults`` only)."""
         if faults is not None:
             self.faults = PairFaults(
-                faults, self.qp_num, post=self._post_now, fail=self._fail_from,
+                faults, self.qpn, post=self._post_now, fail=self._fail_from,
                 outstanding=lambda: self.ledger.outstanding, dead=lambda: self.ledger.dead, wake=cq.wake,
             )  # fmt: skip
-            cq.fault_hooks[self.qp_num] = self.faults.due
+            cq.fault_hooks[self.qpn] = self.faults.due
         self._psn = secrets.randbits(24)
         self._rd_atom = max(1, min(config.limits.max_qp_rd_atom, _MAX_RD_ATOM))
 
@@ -124,7 +128,7 @@ class VerbsQueuePair(QueuePair):
     def endpoint(self) -> Endpoint:
         port = self.config.port
         return {
-            "qpn": self.qp_num,
+            "qpn": self.qpn,
             "psn": self._psn,
             "gid": self.config.gid,
             "lid": port.lid,
@@ -165,7 +169,7 @@ class VerbsQueuePair(QueuePair):
             rnr_retry=max(0, min(cfg.rnr_retry, 7)),
         )
         self.handle.connect(params)
-        log.debug("QP %d connected to QP %d (gid %s, mtu enum %d)", self.qp_num, qpn, gid, params.path_mtu)
+        log.debug("QP %d connected to QP %d (gid %s, mtu enum %d)", self.qpn, qpn, gid, params.path_mtu)
 
     def post(self, batch: WorkBatch) -> None:
         n = len(batch)
@@ -184,7 +188,7 @@ class VerbsQueuePair(QueuePair):
         free = ledger.free - (0 if self.faults is None else self.faults.waiting)
         if n > free:
             raise SendQueueFull(
-                f"QP {self.qp_num}: {n} requests, {free} of {ledger.depth} slots free ({ledger.describe()})"
+                f"QP {self.qpn}: {n} requests, {free} of {ledger.depth} slots free ({ledger.describe()})"
             )
         if self.faults is not None:
             self.faults.submit(batch)  # it posts through _post_now what the plan lets through
@@ -209,7 +213,7 @@ class VerbsQueuePair(QueuePair):
         if error is not None:
             in_error = self.hw_state() in (QPS_ERR, QPS_SQE, None)
             status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
-            log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qp_num, taken, n, error,
+            log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qpn, taken, n, error,
                         status.name)  # fmt: skip
         else:
             taken, status = good, WcStatus.LOC_PROT_ERR
@@ -252,8 +256,8 @@ class VerbsQueuePair(QueuePair):
                     self.ledger.fence()
                     self.cq.wake()
                     return
-        log.warning("QP %d: cannot fence after a refused request (%s): flushing from the ledger", self.qp_num, failure)
-        self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
+        log.warning("QP %d: cannot fence after a refused request (%s): flushing from the ledger", self.qpn, failure)
+        self.cq.request_kill(self.qpn, WcStatus.WR_FLUSH_ERR)
 
     def to_error(self) -> None:
         if self.faults is not None:
@@ -265,8 +269,8 @@ class VerbsQueuePair(QueuePair):
                 self.handle.to_error()
                 return
             except VerbsError as exc:
-                log.warning("QP %d: cannot move to ERR (%s): flushing from the ledger", self.qp_num, exc)
-        self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
+                log.warning("QP %d: cannot move to ERR (%s): flushing from the ledger", self.qpn, exc)
+        self.cq.request_kill(self.qpn, WcStatus.WR_FLUSH_ERR)
 
     def close(self) -> None:
         if self.faults is not None and not self.closed:
@@ -283,7 +287,7 @@ class VerbsQueuePair(QueuePair):
                 self.handle.close()
             finally:
                 if self.ledger.held:
-                    self.cq.request_kill(self.qp_num, WcStatus.WR_FLUSH_ERR)
+                    self.cq.request_kill(self.qpn, WcStatus.WR_FLUSH_ERR)
 
     def hw_state(self) -> int | None:
         """The state the device reports for this pair (QPS_*), or None once closed or unreadable."""

@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
-from ..work import WorkCompletion
-from .base import CompletionQueue
+from ...work import WorkCompletion
+from ..base import CompletionQueue
 
 __all__ = ["SlotOwner", "SoftCompletionQueue"]
 

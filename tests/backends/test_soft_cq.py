@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moriio_async.backends.softcq import SoftCompletionQueue
+from moriio_async.backends.soft.cq import SoftCompletionQueue
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import WorkCompletion
 

@@ -1,5 +1,6 @@
 """Pieces the software NICs (the TCP and CMA backends) share: the checks a post makes on a batch's
-shape, and the folding of a run of successes into completions for its signaled requests.
+shape, the folding of a run of successes into completions for its signaled requests, and a
+registered buffer's address.
 
 Both NICs complete in posting order and push only signaled requests' completions, each carrying
 the send-queue slots it frees: itself, and the unsignaled successes before it that no completion
@@ -8,13 +9,15 @@ covered yet (``uncovered``), as a verbs CQE covers the unsignaled WRs before it.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
-from ..errors import InvalidArgument
-from ..status import Opcode, WcStatus
-from ..work import WorkBatch, WorkCompletion
+from ...errors import InvalidArgument
+from ...status import Opcode, WcStatus
+from ...work import WorkBatch, WorkCompletion
 
-__all__ = ["Completions", "check_shape", "fold_successes"]
+__all__ = ["Completions", "address_of", "check_shape", "fold_successes"]
 
 Completions = list[tuple[WorkCompletion, int]]
 """Completions with the slots each frees once polled."""
@@ -63,3 +66,8 @@ def fold_successes(batch: WorkBatch, a: int, b: int, uncovered: int, qp_num: int
         out.append((WorkCompletion(first + i, _SUCCESS, _OPCODES[ops.item(i)], lengths.item(i), qp_num), i - prev))
         prev = i
     return out, b - 1 - prev
+
+
+def address_of(view: memoryview) -> int:
+    """The buffer's address (the ctypes object, and its export, are dropped at once)."""
+    return ctypes.addressof((ctypes.c_char * 0).from_buffer(view))

@@ -1,11 +1,11 @@
-"""The software NICs' shared pieces (``backends/softpair.py``): shape checks and success folding."""
+"""The software NICs' shared pieces (``backends/soft/pair.py``): shape checks and success folding."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from moriio_async.backends.softpair import check_shape, fold_successes
+from moriio_async.backends.soft.pair import check_shape, fold_successes
 from moriio_async.errors import InvalidArgument
 from moriio_async.status import Opcode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkRequest
