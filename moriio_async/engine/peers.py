@@ -25,14 +25,12 @@ from ..core.framing import FrameError
 from ..core.protocol import (
     CloseQp,
     Done,
-    EngineRecord,
     Exports,
     Hello,
     ListMemory,
     Notice,
     Notify,
     Proof,
-    RegionRecord,
     Reply,
     Request,
     Welcome,
@@ -161,8 +159,8 @@ class PeerTable:
         if not sep or not port_text.isdigit():
             raise InvalidArgument(f"address {address!r} is not host:port")
         _, welcome = await self._dial(host, int(port_text))
-        self._peers.learn(welcome.engine.desc(), from_peer=False)  # connecting to it undoes a deregistration
-        return PeerInfo(welcome.engine.desc(), {m.name: m.desc() for m in welcome.memory})
+        self._peers.learn(welcome.engine, from_peer=False)  # connecting to it undoes a deregistration
+        return PeerInfo(welcome.engine, {m.name: m for m in welcome.memory})
 
     async def notify(self, key: str, data: bytes) -> None:
         _, link = await self._link_for(key)
@@ -278,7 +276,7 @@ class PeerTable:
             welcome, session_key = await self._handshake.dial(link, self.local)
             if self._closing:
                 raise EngineClosed(f"engine {self.key!r} closed during the handshake")
-            self._adopt(link, welcome.engine.desc(), session_key)
+            self._adopt(link, welcome.engine, session_key)
         except BaseException:
             link.close()
             raise
@@ -326,7 +324,7 @@ class PeerTable:
                 reply_to = greeting.reply_to
                 if not self._adopt(link, greeting.desc, greeting.session_key):
                     return
-                await link.send(Welcome(re=reply_to, engine=EngineRecord.of(self.local), memory=self._exports()))
+                await link.send(Welcome(re=reply_to, engine=self.local, memory=self._memory.exported()))
         except HelloRefused as exc:
             known = exc.key is not None and exc.key in self._peers
             await self._refuse_hello(
@@ -364,9 +362,6 @@ class PeerTable:
         finally:
             link.close()
 
-    def _exports(self) -> list[RegionRecord]:
-        return [RegionRecord.of(d) for d in self._memory.exported()]
-
     # -- LinkHandler: what peers ask -------------------------------------------------------------
 
     async def on_request(self, link: ControlLink, request: Request) -> Reply:
@@ -374,7 +369,7 @@ class PeerTable:
             raise ControlPlaneError("hello was already said on this link")
         self._peer_of(link)
         if isinstance(request, ListMemory):
-            return Exports(memory=self._exports())
+            return Exports(memory=self._memory.exported())
         return await self._pairs.answer(link, request)
 
     async def on_notice(self, link: ControlLink, notice: Notice) -> None:
