@@ -79,8 +79,9 @@ __all__ = [
     "SendQueueFull",
 ]
 
-Endpoint = Mapping[str, Any]
-"""What one side of a queue pair tells the other to connect (JSON-serialisable)."""
+Endpoint = Mapping[str, str | int | bool]
+"""What one side of a queue pair tells the other to connect: a flat map of scalars, as the control
+messages carry it (``core.protocol.Endpoint`` bounds its size on the wire)."""
 
 
 class SendQueueFull(MoriioError):
