@@ -1,26 +1,61 @@
 """Descriptors that travel between engines: who an engine is, and what memory it exports.
 
-``pack()`` gives bytes to hand to a peer by any means (MoRI-IO's explicit
-style); ``unpack()`` checks every field, since the bytes came from elsewhere.
+Each is a frozen ``msgspec`` Struct that declares its wire bounds (lengths,
+counts, ranges), defined once: the control messages (``core.protocol``) embed
+these Structs as they are, and ``pack()``/``unpack()`` give and take bytes to
+hand a peer by any means (MoRI-IO's explicit style). Decoding checks every
+field in one pass, since the bytes came from elsewhere, and a peer cannot make
+this side allocate past the bounds. Building one in Python checks only what
+``__post_init__`` says (the ranges msgspec cannot express), as a dataclass would.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Annotated, ClassVar, Self
+
+import msgspec
 
 from .errors import InvalidArgument
 from .status import Access
 
-__all__ = ["MAX_TRANSPORTS", "EngineDesc", "MemoryDesc", "TransportDesc", "new_incarnation"]
+__all__ = [
+    "MAX_KEY",
+    "MAX_TRANSPORTS",
+    "U16",
+    "U32",
+    "U64",
+    "U64_MAX",
+    "BackendName",
+    "Descriptor",
+    "EngineDesc",
+    "Key",
+    "MemoryDesc",
+    "Name",
+    "Short",
+    "TransportDesc",
+    "check_u64",
+    "new_incarnation",
+]
 
-_U64 = (1 << 64) - 1
+MAX_KEY = 1024
+"""Longest engine key or region name, in characters."""
 MAX_TRANSPORTS = 4
 """Most transports an engine advertises (one per backend kind)."""
+U64_MAX = (1 << 64) - 1
+
+Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_KEY)]
+Short = Annotated[str, msgspec.Meta(max_length=255)]
+BackendName = Annotated[str, msgspec.Meta(min_length=1, max_length=16)]
+U16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+"""At most ``U64_MAX``: the owner checks it with ``check_u64``, since msgspec bounds integers only within int64."""
+
 _RANDOM_BITS = 10
 _last_incarnation = 0
 _incarnation_lock = threading.Lock()
@@ -41,25 +76,50 @@ def new_incarnation() -> int:
     return value & ((1 << 63) - 1)
 
 
-def _field(data: dict[str, Any], name: str, kind: type) -> Any:
-    value = data.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InvalidArgument(f"descriptor field {name!r} is missing or not {kind.__name__}")
-    return value
+def check_u64(**fields: int) -> None:
+    """``InvalidArgument`` naming the first field above ``U64_MAX`` (a ``__post_init__`` helper:
+    decoding reports it as a validation error at the Struct's path)."""
+    for name, value in fields.items():
+        if value > U64_MAX:
+            raise InvalidArgument(f"`{name}` exceeds 2**64 - 1")
 
 
-def _load(raw: bytes | str, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"cannot unpack {what}: {exc}") from exc
-    if not isinstance(data, dict) or data.get("kind") != what:
-        raise InvalidArgument(f"cannot unpack {what}: not a packed {what}")
-    return data
+class _Kind(msgspec.Struct, frozen=True):
+    kind: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class TransportDesc:
+_encoder = msgspec.json.Encoder()
+_kind_decoder = msgspec.json.Decoder(_Kind)
+_decoders: dict[type, msgspec.json.Decoder[object]] = {}
+
+
+class Descriptor(msgspec.Struct, frozen=True):
+    """A Struct that also travels on its own: ``pack()`` tags it with its ``KIND``; ``unpack()`` checks that tag."""
+
+    KIND: ClassVar[str]
+
+    def pack(self) -> bytes:
+        # The tag is added here, not declared on the Struct: embedded in a control message, a
+        # descriptor's encoding stays what peers already decode.
+        return _encoder.encode({"kind": self.KIND, **msgspec.structs.asdict(self)})
+
+    @classmethod
+    def unpack(cls, raw: bytes | str) -> Self:
+        """The descriptor ``pack()`` gave; ``InvalidArgument`` (naming the field) for anything else."""
+        decoder = _decoders.get(cls) or _decoders.setdefault(cls, msgspec.json.Decoder(cls))
+        try:
+            if _kind_decoder.decode(raw).kind != cls.KIND:
+                raise InvalidArgument(f"cannot unpack {cls.__name__}: not a packed {cls.__name__}")
+            desc = decoder.decode(raw)
+        except msgspec.DecodeError as exc:  # a ValidationError too: its message names the field
+            raise InvalidArgument(f"cannot unpack {cls.__name__}: {exc}") from None
+        except RecursionError:  # msgspec skips unknown fields recursively
+            raise InvalidArgument(f"cannot unpack {cls.__name__}: nested too deeply") from None
+        assert isinstance(desc, cls)
+        return desc
+
+
+class TransportDesc(msgspec.Struct, frozen=True):
     """One backend an engine has open, as a peer needs it to decide whether it reaches this engine.
 
     ``scope`` says where the backend reaches: for cma the host and namespaces
@@ -67,24 +127,11 @@ class TransportDesc:
     where any peer with the same backend may use it (tcp, verbs).
     """
 
-    name: str
-    scope: str = ""
+    name: BackendName
+    scope: Short = ""
 
 
-def _transports(data: dict[str, Any]) -> tuple[TransportDesc, ...]:
-    raw = data.get("transports", [])
-    if not isinstance(raw, list) or len(raw) > MAX_TRANSPORTS:
-        raise InvalidArgument(f"descriptor field 'transports' must be a list of at most {MAX_TRANSPORTS}")
-    out = []
-    for item in raw:
-        if not isinstance(item, dict):
-            raise InvalidArgument("descriptor field 'transports' holds a non-object")
-        out.append(TransportDesc(_field(item, "name", str), _field(item, "scope", str)))
-    return tuple(out)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineDesc:
+class EngineDesc(Descriptor, frozen=True):
     """An engine as its peers see it. ``incarnation`` changes at every engine start.
 
     ``backend`` is the engine's preferred backend; ``transports`` every one it has
@@ -92,12 +139,17 @@ class EngineDesc:
     then ``backend`` is its only one).
     """
 
-    key: str
-    host: str
-    port: int
-    incarnation: int
-    backend: str
-    transports: tuple[TransportDesc, ...] = ()
+    KIND = "EngineDesc"
+
+    key: Key
+    host: Short
+    port: U16
+    incarnation: U64
+    backend: Short
+    transports: Annotated[tuple[TransportDesc, ...], msgspec.Meta(max_length=MAX_TRANSPORTS)] = ()
+
+    def __post_init__(self) -> None:
+        check_u64(incarnation=self.incarnation)
 
     def transport_names(self) -> tuple[str, ...]:
         """The backends a session to this engine may use, best first."""
@@ -107,95 +159,46 @@ class EngineDesc:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "EngineDesc", **asdict(self)}
 
-    def pack(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineDesc:
-        desc = cls(
-            key=_field(data, "key", str),
-            host=_field(data, "host", str),
-            port=_field(data, "port", int),
-            incarnation=_field(data, "incarnation", int),
-            backend=_field(data, "backend", str),
-            transports=_transports(data),
-        )
-        if not 0 <= desc.port <= 0xFFFF or not 0 <= desc.incarnation <= _U64:
-            raise InvalidArgument("EngineDesc has an out-of-range port or incarnation")
-        return desc
-
-    @classmethod
-    def unpack(cls, raw: bytes | str) -> EngineDesc:
-        data = _load(raw, "EngineDesc")
-        return cls.from_dict(data)
+Rkeys = Annotated[dict[BackendName, U32], msgspec.Meta(max_length=MAX_TRANSPORTS)]
+"""A region's rkey on each backend, by backend name."""
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryDesc:
+class MemoryDesc(Descriptor, frozen=True):
     """A registered region: enough for a peer to target it with one-sided operations.
 
     ``addr`` is the region's address in its owner's process, as with verbs, so
-    a remote offset becomes ``addr + offset`` on the wire.
+    a remote offset becomes ``addr + offset`` on the wire. ``access`` bits a peer
+    sends beyond the known ones are dropped.
     """
 
-    engine_key: str
-    incarnation: int
-    name: str
-    addr: int
-    length: int
-    rkey: int
-    access: Access
-    rkeys: tuple[tuple[str, int], ...] = ()
-    """With several backends open: the region's rkey on each, by backend name (``rkey`` is the first's)."""
+    KIND = "MemoryDesc"
+
+    engine_key: Key
+    incarnation: U64
+    name: Name
+    addr: U64
+    length: Annotated[int, msgspec.Meta(ge=1)]
+    rkey: U32
+    if TYPE_CHECKING:
+        access: Access
+    else:
+        access: U32  # an int on the wire, bounded before it becomes an Access (Access(-1) is every bit)
+    rkeys: Rkeys = {}
+    """With several backends open: the region's rkey on each, by backend name (``rkey`` is the first's).
+    Given as ``(name, rkey)`` pairs, it is kept as this mapping; do not change it in place."""
+
+    def __post_init__(self) -> None:
+        check_u64(incarnation=self.incarnation, addr=self.addr, length=self.length)
+        msgspec.structs.force_setattr(self, "access", Access(int(self.access) & int(Access.all())))
+        if not isinstance(self.rkeys, dict):  # (name, rkey) pairs, as before descriptors were Structs
+            pairs: Iterable[tuple[str, int]] = self.rkeys
+            msgspec.structs.force_setattr(self, "rkeys", dict(pairs))
+
+    def __hash__(self) -> int:
+        # The Struct's own hash would hash the rkeys dict; regions are looked up by descriptor.
+        return hash((*msgspec.structs.astuple(self)[:-1], frozenset(self.rkeys.items())))
 
     def rkey_for(self, transport: str) -> int:
         """The rkey a request over ``transport`` names (``rkey`` when the owner has one backend)."""
-        for name, rkey in self.rkeys:
-            if name == transport:
-                return rkey
-        return self.rkey
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["access"] = int(self.access)
-        if self.rkeys:
-            data["rkeys"] = dict(self.rkeys)
-        else:
-            del data["rkeys"]
-        return {"kind": "MemoryDesc", **data}
-
-    def pack(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MemoryDesc:
-        desc = cls(
-            engine_key=_field(data, "engine_key", str),
-            incarnation=_field(data, "incarnation", int),
-            name=_field(data, "name", str),
-            addr=_field(data, "addr", int),
-            length=_field(data, "length", int),
-            rkey=_field(data, "rkey", int),
-            access=Access(_field(data, "access", int) & int(Access.all())),
-            rkeys=_rkeys(data),
-        )
-        rkeys = [desc.rkey, *(r for _, r in desc.rkeys)]
-        if not (0 <= desc.addr <= _U64 and 0 < desc.length <= _U64 and all(0 <= r < 1 << 32 for r in rkeys)):
-            raise InvalidArgument("MemoryDesc has an out-of-range addr, length or rkey")
-        return desc
-
-    @classmethod
-    def unpack(cls, raw: bytes | str) -> MemoryDesc:
-        return cls.from_dict(_load(raw, "MemoryDesc"))
-
-
-def _rkeys(data: dict[str, Any]) -> tuple[tuple[str, int], ...]:
-    raw = data.get("rkeys", {})
-    if not isinstance(raw, dict) or len(raw) > MAX_TRANSPORTS:
-        raise InvalidArgument(f"descriptor field 'rkeys' must map at most {MAX_TRANSPORTS} backends to rkeys")
-    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in raw.items()):
-        raise InvalidArgument("descriptor field 'rkeys' must map backend names to ints")
-    return tuple(raw.items())
+        return self.rkeys.get(transport, self.rkey)

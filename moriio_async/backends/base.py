@@ -93,8 +93,9 @@ TAG_SHIFT = 24
 QP_MASK = (1 << TAG_SHIFT) - 1
 """The bits of a queue-pair number that a backend counts in."""
 
-Endpoint = Mapping[str, Any]
-"""What one side of a queue pair tells the other to connect (JSON-serialisable)."""
+Endpoint = Mapping[str, str | int | bool]
+"""What one side of a queue pair tells the other to connect: a flat map of scalars, as the control
+messages carry it (``core.protocol.Endpoint`` bounds its size on the wire)."""
 
 
 class SendQueueFull(MoriioError):

@@ -21,10 +21,10 @@ from ..core.protocol import (
     Notice,
     Notify,
     Proof,
-    RegionRecord,
     Reply,
     Request,
 )
+from ..descriptors import MemoryDesc
 from ..errors import ControlPlaneError
 from .book import Peer, PeerBook
 from .guard import Guard
@@ -47,7 +47,7 @@ class Answers(Generic[T]):
         links: LinkRegistry,
         pairs: PairBroker[T],
         *,
-        exports: Callable[[], list[RegionRecord]],
+        exports: Callable[[], list[MemoryDesc]],
         inbox: Inbox,
         inbound: InboundStatuses,
         guard: Guard,

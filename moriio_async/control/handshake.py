@@ -10,7 +10,7 @@ welcoming engine, at its incarnation, as its owner: the dialer refuses one
 that lists another engine's. Either side that cannot verify the other
 refuses with reason ``auth`` and closes. A secret on one side only is refused
 the same way, with a message that says so. The proofs also cover both
-ends' transports (the backends each advertises in its engine record), so a
+ends' transports (the backends each advertises in its engine descriptor), so a
 session's choice of backend cannot be steered by anyone between them. Without a secret on either side,
 ``hello`` is answered by ``welcome`` directly.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.auth import NONCE_BYTES, SECRET_ENV, Transcript, new_nonce
-from ..core.protocol import Challenge, EngineRecord, Hello, Proof, Refused, Welcome, proven_transports
+from ..core.protocol import Challenge, Hello, Proof, Refused, Welcome, proven_transports
 from ..descriptors import EngineDesc
 from ..errors import AuthenticationError, ControlPlaneError
 from .link import ControlLink
@@ -36,7 +36,7 @@ _AGREE = f"give both engines the same secret (IOEngineConfig.secret or ${SECRET_
 def _check_regions(welcome: Welcome, link: ControlLink, error: type[ControlPlaneError]) -> None:
     """Every region a welcome lists belongs to the engine that welcomes (key and incarnation).
 
-    A region record names its owner in its body; the dialer's sessions go to that owner. Taken on
+    A region descriptor names its owner in its body; the dialer's sessions go to that owner. Taken on
     trust, a listener could hand out another engine's regions as its own, and the dialer's writes
     meant for it would land in that other engine's memory.
     """
@@ -84,18 +84,17 @@ class Handshake:
 
     async def dial(self, link: ControlLink, local: EngineDesc) -> tuple[Welcome, bytes | None]:
         """Say hello on a link this engine dialed; the welcome and, with a secret, the session key."""
-        record = EngineRecord.of(local)
         secret = self._secret
         if secret is None:
-            welcome = await link.request(Hello(engine=record), Welcome)
+            welcome = await link.request(Hello(engine=local), Welcome)
             _check_regions(welcome, link, ControlPlaneError)
             return welcome, None
         nonce = new_nonce()
-        challenge = await link.request(Hello(engine=record, auth=True, nonce=nonce), Challenge)
+        challenge = await link.request(Hello(engine=local, auth=True, nonce=nonce), Challenge)
         listener = challenge.engine
         transcript = Transcript(
             local.key, local.incarnation, nonce, listener.key, listener.incarnation, challenge.nonce,
-            proven_transports(record, listener),
+            proven_transports(local, listener),
         )  # fmt: skip
         if len(challenge.nonce) != NONCE_BYTES or not transcript.verify(secret, "listener", challenge.proof):
             await link.refuse("auth", f"engine {local.key!r} could not verify your proof: the secrets differ")
@@ -128,20 +127,19 @@ class Handshake:
             if first.auth:
                 why = f"engine {local.key!r} has no shared secret, but {key!r} authenticates: set the same one on both"
                 raise HelloRefused("auth", why, first.id, key=key, auth=True)
-            return Greeting(first.engine.desc(), first.id, None)
+            return Greeting(first.engine, first.id, None)
         if not first.auth:
             why = f"engine {local.key!r} accepts only peers that prove its shared secret, and {key!r} has none"
             raise HelloRefused("auth", why, first.id, key=key, auth=True)
         if len(first.nonce) != NONCE_BYTES:
             raise HelloRefused("auth", f"the hello's nonce must have {NONCE_BYTES} bytes", first.id, key=key, auth=True)
         listener_nonce = new_nonce()
-        record = EngineRecord.of(local)
         transcript = Transcript(
             key, first.engine.incarnation, first.nonce, local.key, local.incarnation, listener_nonce,
-            proven_transports(first.engine, record),
+            proven_transports(first.engine, local),
         )  # fmt: skip
         proof = transcript.proof(secret, "listener")
-        await link.send(Challenge(re=first.id, engine=record, nonce=listener_nonce, proof=proof))
+        await link.send(Challenge(re=first.id, engine=local, nonce=listener_nonce, proof=proof))
         second = await link.read_message(idle_ok=False)
         if second is None or isinstance(second, Refused):
             why = second.message if second is not None else "it closed the connection before proving"
@@ -153,4 +151,4 @@ class Handshake:
         if not transcript.verify(secret, "dialer", second.proof):
             why = f"{key!r}'s proof does not match engine {local.key!r}'s secret"
             raise HelloRefused("auth", why, second.id, key=key, auth=True)
-        return Greeting(first.engine.desc(), second.id, transcript.session_key(secret))
+        return Greeting(first.engine, second.id, transcript.session_key(secret))

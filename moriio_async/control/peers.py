@@ -24,9 +24,7 @@ from ..core.framing import FrameError
 from ..core.protocol import (
     CloseQp,
     Done,
-    EngineRecord,
     Notify,
-    RegionRecord,
     Welcome,
 )
 from ..descriptors import EngineDesc, MemoryDesc
@@ -158,8 +156,8 @@ class PeerTable(Generic[T]):
         if not sep or not port_text.isdigit():
             raise InvalidArgument(f"address {address!r} is not host:port")
         _, welcome = await self._dial(host, int(port_text))
-        self._peers.learn(welcome.engine.desc(), from_peer=False)  # connecting to it undoes a deregistration
-        return PeerInfo(welcome.engine.desc(), {m.name: m.desc() for m in welcome.memory})
+        self._peers.learn(welcome.engine, from_peer=False)  # connecting to it undoes a deregistration
+        return PeerInfo(welcome.engine, {m.name: m for m in welcome.memory})
 
     async def notify(self, key: str, data: bytes) -> None:
         _, link = await self._link_for(key)
@@ -275,7 +273,7 @@ class PeerTable(Generic[T]):
             welcome, session_key = await self._handshake.dial(link, self.local)
             if self._closing:
                 raise EngineClosed(f"engine {self.key!r} closed during the handshake")
-            self._adopt(link, welcome.engine.desc(), session_key)
+            self._adopt(link, welcome.engine, session_key)
         except BaseException:
             link.close()
             raise
@@ -323,7 +321,7 @@ class PeerTable(Generic[T]):
                 reply_to = greeting.reply_to
                 if not self._adopt(link, greeting.desc, greeting.session_key):
                     return
-                await link.send(Welcome(re=reply_to, engine=EngineRecord.of(self.local), memory=self._exports()))
+                await link.send(Welcome(re=reply_to, engine=self.local, memory=self._exports()))
         except HelloRefused as exc:
             known = exc.key is not None and exc.key in self._peers
             await self._refuse_hello(
@@ -361,8 +359,8 @@ class PeerTable(Generic[T]):
         finally:
             link.close()
 
-    def _exports(self) -> list[RegionRecord]:
-        return [RegionRecord.of(d) for d in self._memory.exported()]
+    def _exports(self) -> list[MemoryDesc]:
+        return list(self._memory.exported())
 
     def statistics(self) -> PeerStatistics:
         return PeerStatistics(len(self._peers), len(self._links), self._links.answering, self._pairs.opened)

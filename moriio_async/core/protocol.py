@@ -22,7 +22,8 @@ A frame that is not one of these messages (bad JSON, a wrong type, an
 unknown op, a value out of range, nesting deeper than the decoder allows) is
 a ``FrameError``. Fields a message does not declare are ignored, so a newer
 peer may add some. Strings, lists and endpoints have ceilings of their own,
-on top of the frame size limit.
+on top of the frame size limit. The engine and the regions travel as the
+descriptors themselves (``moriio_async.descriptors``), which declare theirs.
 """
 
 from __future__ import annotations
@@ -31,17 +32,16 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
-from ..descriptors import MAX_TRANSPORTS, EngineDesc, MemoryDesc, TransportDesc
-from ..status import Access
+from ..descriptors import MAX_KEY, U32, U64, EngineDesc, MemoryDesc, Short, check_u64
 from .framing import DEFAULT_MAX_FRAME, FrameError, frame
 
 __all__ = [
     "MAX_KEY",
+    "MAX_REGIONS",
     "Challenge",
     "CloseQp",
     "ConnectQp",
     "Done",
-    "EngineRecord",
     "Exports",
     "Hello",
     "ListMemory",
@@ -51,10 +51,8 @@ __all__ = [
     "Proof",
     "QpReady",
     "Refused",
-    "RegionRecord",
     "Reply",
     "Request",
-    "TransportRecord",
     "Welcome",
     "answering",
     "decode",
@@ -63,29 +61,12 @@ __all__ = [
     "with_id",
 ]
 
-MAX_KEY = 1024
-"""Longest engine key or region name, in characters."""
 MAX_REGIONS = 1 << 16
 """Most regions one ``welcome`` or ``exports`` may list."""
 
-Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY)]
-Name = Annotated[str, msgspec.Meta(max_length=MAX_KEY)]
-Short = Annotated[str, msgspec.Meta(max_length=255)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
-U16 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
-U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 Digest = Annotated[bytes, msgspec.Meta(max_length=64)]
 """A nonce or an HMAC (base64 on the wire); ``core.auth`` checks the exact length."""
-U64 = Annotated[int, msgspec.Meta(ge=0)]
-"""At most ``_U64_MAX``: checked in ``__post_init__``, since msgspec bounds integers only within int64."""
-_U64_MAX = (1 << 64) - 1
-
-
-def _check_u64(**fields: int) -> None:
-    for name, value in fields.items():
-        if value > _U64_MAX:
-            raise ValueError(f"`{name}` exceeds 2**64 - 1")
-
 
 Endpoint = Annotated[
     dict[Annotated[str, msgspec.Meta(max_length=64)], Short | int | bool],
@@ -98,96 +79,15 @@ class _Message(msgspec.Struct, frozen=True, tag_field="op"):
     """Base of every message; subclasses name their ``op`` with ``tag=`` and are built by keyword."""
 
 
-BackendName = Annotated[str, msgspec.Meta(min_length=1, max_length=16)]
-
-
-class TransportRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A ``TransportDesc`` on the wire: a backend the engine has open, and where it reaches."""
-
-    name: BackendName
-    scope: Short = ""
-
-
-class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """An ``EngineDesc`` on the wire."""
-
-    key: Key
-    host: Short
-    port: U16
-    incarnation: U64
-    backend: Short
-    transports: Annotated[tuple[TransportRecord, ...], msgspec.Meta(max_length=MAX_TRANSPORTS)] = ()
-    """Empty from a peer older than transports: ``backend`` is then its only one."""
-
-    def __post_init__(self) -> None:
-        _check_u64(incarnation=self.incarnation)
-
-    @classmethod
-    def of(cls, desc: EngineDesc) -> EngineRecord:
-        return cls(
-            key=desc.key,
-            host=desc.host,
-            port=desc.port,
-            incarnation=desc.incarnation,
-            backend=desc.backend,
-            transports=tuple(TransportRecord(name=t.name, scope=t.scope) for t in desc.transports),
-        )
-
-    def desc(self) -> EngineDesc:
-        transports = tuple(TransportDesc(t.name, t.scope) for t in self.transports)
-        return EngineDesc(self.key, self.host, self.port, self.incarnation, self.backend, transports)
-
-    def transport_bytes(self) -> bytes:
-        """The transports, canonically encoded: what the authenticated hello's proofs cover."""
-        return _encoder.encode(self.transports)
-
-
-class RegionRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A ``MemoryDesc`` on the wire."""
-
-    engine_key: Key
-    incarnation: U64
-    name: Name
-    addr: U64
-    length: Annotated[int, msgspec.Meta(ge=1)]
-    rkey: U32
-    access: U32
-    rkeys: Annotated[dict[BackendName, U32], msgspec.Meta(max_length=MAX_TRANSPORTS)] = {}
-    """The rkey on each backend, when the owner has several open."""
-
-    def __post_init__(self) -> None:
-        _check_u64(incarnation=self.incarnation, addr=self.addr, length=self.length)
-
-    @classmethod
-    def of(cls, desc: MemoryDesc) -> RegionRecord:
-        return cls(
-            engine_key=desc.engine_key,
-            incarnation=desc.incarnation,
-            name=desc.name,
-            addr=desc.addr,
-            length=desc.length,
-            rkey=desc.rkey,
-            access=int(desc.access),
-            rkeys=dict(desc.rkeys),
-        )
-
-    def desc(self) -> MemoryDesc:
-        access = Access(self.access & int(Access.all()))
-        rkeys = tuple(self.rkeys.items())
-        return MemoryDesc(
-            self.engine_key, self.incarnation, self.name, self.addr, self.length, self.rkey, access, rkeys
-        )
-
-
-def proven_transports(dialer: EngineRecord, listener: EngineRecord) -> bytes:
+def proven_transports(dialer: EngineDesc, listener: EngineDesc) -> bytes:
     """What the authenticated hello's proofs say about transports (``core.auth.Transcript.transports``):
-    both ends' lists as each sent them; empty when neither sent any (an older peer)."""
+    both ends' lists as each sent them, canonically encoded; empty when neither sent any (an older peer)."""
     if not dialer.transports and not listener.transports:
         return b""
-    return dialer.transport_bytes() + b"\n" + listener.transport_bytes()
+    return _encoder.encode(dialer.transports) + b"\n" + _encoder.encode(listener.transports)
 
 
-Regions = Annotated[list[RegionRecord], msgspec.Meta(max_length=MAX_REGIONS)]
+Regions = Annotated[list[MemoryDesc], msgspec.Meta(max_length=MAX_REGIONS)]
 
 # -- requests --------------------------------------------------------------------------------------
 
@@ -196,7 +96,7 @@ class Hello(_Message, frozen=True, kw_only=True, tag="hello"):
     """The first frame on every link, from the side that dialed: who it is, and whether it authenticates."""
 
     id: int = 0
-    engine: EngineRecord
+    engine: EngineDesc
     auth: bool = False
     """The dialer holds a shared secret: it expects a ``challenge`` and will send a ``proof``."""
     nonce: Digest = b""
@@ -221,7 +121,7 @@ class ConnectQp(_Message, frozen=True, kw_only=True, tag="connect_qp"):
     """The backend to open the answering pair on (one the target advertised); empty: its preferred one."""
 
     def __post_init__(self) -> None:
-        _check_u64(incarnation=self.incarnation)
+        check_u64(incarnation=self.incarnation)
 
 
 class ListMemory(_Message, frozen=True, kw_only=True, tag="memory"):
@@ -237,7 +137,7 @@ class Challenge(_Message, frozen=True, kw_only=True, tag="challenge"):
     """The answer to an authenticating ``hello``: the listener, its nonce and its proof; no memory yet."""
 
     re: int = 0
-    engine: EngineRecord
+    engine: EngineDesc
     nonce: Digest
     proof: Digest
 
@@ -246,7 +146,7 @@ class Welcome(_Message, frozen=True, kw_only=True, tag="welcome"):
     """The answer to ``hello``: the listening engine and what it exports."""
 
     re: int = 0
-    engine: EngineRecord
+    engine: EngineDesc
     memory: Regions = []
 
 
@@ -300,7 +200,7 @@ class Done(_Message, frozen=True, kw_only=True, tag="done"):
     """A ``StatusCode``: SUCCESS (0) or an error (> 10)."""
 
     def __post_init__(self) -> None:
-        _check_u64(uid=self.uid)
+        check_u64(uid=self.uid)
 
 
 Request = Hello | Proof | ConnectQp | ListMemory

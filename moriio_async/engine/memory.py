@@ -124,7 +124,7 @@ class MemoryRegistry:
                 backend.deregister_memory(done)
             raise
         mr = mrs[0][1]
-        rkeys = tuple((b.name, r.rkey) for b, r in mrs) if len(mrs) > 1 else ()
+        rkeys = {b.name: r.rkey for b, r in mrs} if len(mrs) > 1 else {}
         desc = MemoryDesc(self._key, self._incarnation, name, mr.addr, mr.length, mr.rkey, access, rkeys)
         more = tuple(r for _, r in mrs[1:])
         self._regions.setdefault(desc, []).append(LocalRegion(desc, mr, exported=exported, more=more))

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
-from moriio_async.core.protocol import EngineRecord, Exports, Notice, Reply, Request, Welcome
+from moriio_async.core.protocol import Exports, Notice, Reply, Request, Welcome
+from moriio_async.descriptors import EngineDesc
 
-WELCOME = Welcome(engine=EngineRecord(key="b", host="", port=0, incarnation=1, backend="mock"))
+WELCOME = Welcome(engine=EngineDesc("b", "", 0, 1, "mock"))
 Answer = Callable[[Request], Awaitable[Reply]]
 
 

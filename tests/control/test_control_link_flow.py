@@ -9,10 +9,10 @@ import gc
 
 import pytest
 
-from moriio_async import ControlPlaneError
+from moriio_async import Access, ControlPlaneError, MemoryDesc
 from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
-from moriio_async.core.protocol import Exports, ListMemory, Notice, Notify, RegionRecord, Reply, Request, encode
+from moriio_async.core.protocol import Exports, ListMemory, Notice, Notify, Reply, Request, encode
 
 from .linkpair import Handler, linked
 
@@ -203,7 +203,7 @@ async def test_a_transport_that_fails_under_a_write_closes_the_link() -> None:
 
 
 async def test_a_reply_too_large_to_send_is_dropped_and_the_link_serves_on() -> None:
-    region = RegionRecord(engine_key="b", incarnation=1, name="r" * 200, addr=0, length=1, rkey=1, access=1)
+    region = MemoryDesc("b", 1, "r" * 200, 0, 1, 1, Access.LOCAL_WRITE)
 
     async def answer(request: Request) -> Reply:
         return Exports(memory=[region] * 400) if request.id == 1 else Exports()  # the first is over 64 KiB

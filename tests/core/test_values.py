@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import msgspec
 import pytest
 
 import moriio_async
 from moriio_async import EngineDesc, InvalidArgument, MemoryDesc, TransferError, TransferFailed, TransferTimeout
 from moriio_async.core.framing import FrameError, frame, parse_header
+from moriio_async.descriptors import MAX_KEY, MAX_TRANSPORTS
 from moriio_async.status import Access, StatusCode, WcStatus
 
 
@@ -29,6 +34,54 @@ def test_descriptors_round_trip_and_reject_garbage() -> None:
     for raw in [b"not json", b"[]", e.pack(), b'{"kind":"MemoryDesc","addr":"x"}']:
         with pytest.raises(InvalidArgument):
             MemoryDesc.unpack(raw)
+
+
+PACKED_ENGINE = json.loads(EngineDesc("e", "127.0.0.1", 1, 2, "tcp").pack())
+PACKED_REGION = json.loads(MemoryDesc("e", 2, "kv", 4096, 64, 7, Access.REMOTE_READ).pack())
+
+
+@pytest.mark.parametrize(
+    ("packed", "field", "value"),
+    [
+        (PACKED_ENGINE, "key", "k" * (MAX_KEY + 1)),
+        (PACKED_ENGINE, "key", ""),
+        (PACKED_ENGINE, "host", 3),
+        (PACKED_ENGINE, "port", 65536),
+        (PACKED_ENGINE, "incarnation", 1 << 64),
+        (PACKED_ENGINE, "transports", [{"name": "tcp"}] * (MAX_TRANSPORTS + 1)),
+        (PACKED_ENGINE, "backend", None),
+        (PACKED_REGION, "name", "n" * (MAX_KEY + 1)),
+        (PACKED_REGION, "addr", 1 << 64),
+        (PACKED_REGION, "length", 0),
+        (PACKED_REGION, "rkey", -1),
+        (PACKED_REGION, "access", True),
+        (PACKED_REGION, "rkeys", {f"b{i}": 1 for i in range(MAX_TRANSPORTS + 1)}),
+        (PACKED_REGION, "engine_key", None),
+    ],
+)
+def test_unpack_refuses_a_field_past_its_bound_by_its_name(packed: dict[str, Any], field: str, value: object) -> None:
+    kind = EngineDesc if packed["kind"] == "EngineDesc" else MemoryDesc
+    raw = json.dumps({**packed, field: value})
+    with pytest.raises(InvalidArgument, match=rf"^cannot unpack {kind.__name__}: .*`(\$\.)?{field}`"):
+        kind.unpack(raw)
+
+
+def test_unpack_refuses_what_is_not_a_descriptor_with_invalid_argument_only() -> None:
+    for raw in [b"", b"{", b"\xff", b"3", b'{"kind": 3}', b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"]:
+        with pytest.raises(InvalidArgument, match=r"^cannot unpack EngineDesc: "):
+            EngineDesc.unpack(raw)
+    without = {k: v for k, v in PACKED_ENGINE.items() if k != "port"}
+    with pytest.raises(InvalidArgument, match="missing required field `port`"):
+        EngineDesc.unpack(json.dumps(without))
+
+
+def test_descriptors_are_values_hashable_and_rkeys_given_as_pairs_are_kept_as_a_mapping() -> None:
+    pairs = MemoryDesc("e", 2, "kv", 4096, 64, 7, Access.all(), (("cma", 7), ("tcp", 9)))  # type: ignore[arg-type]
+    mapping = MemoryDesc("e", 2, "kv", 4096, 64, 7, Access.all(), {"tcp": 9, "cma": 7})
+    assert pairs == mapping and hash(pairs) == hash(mapping) and pairs.rkeys == {"cma": 7, "tcp": 9}
+    assert len({pairs, mapping, msgspec.structs.replace(mapping, rkeys={})}) == 2
+    with pytest.raises(AttributeError):
+        pairs.rkey = 1  # type: ignore[misc]
 
 
 def test_transfer_error_is_an_exception_group_with_mori_message() -> None:

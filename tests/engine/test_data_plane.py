@@ -9,11 +9,11 @@ replays a derived token (refused)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -178,7 +178,7 @@ async def test_rkey_guesses_past_the_budget_each_wait_and_an_honest_mistake_cost
         local = np.zeros(4096, np.uint8)
         peer = await a.connect(b.address)
         mine = a.register_memory(local, name="l")
-        bad = await a.create_session(mine, dataclasses.replace(peer.memory["kept"], rkey=desc.rkey ^ 1, rkeys=()))
+        bad = await a.create_session(mine, msgspec.structs.replace(peer.memory["kept"], rkey=desc.rkey ^ 1, rkeys={}))
         with pytest.raises(TransferError):
             await waiting_for_transfer_complete([bad.read(0, 0, 64)], timeout=10)
         await bad.close()

@@ -31,7 +31,6 @@ from typing import Any
 
 from moriio_async import IOEngine as AsyncEngine
 from moriio_async import IOEngineConfig as AsyncEngineConfig
-from moriio_async import MemoryDesc as AsyncMemoryDesc
 from moriio_async import MoriioError
 from moriio_async import StatusCode as AsyncStatusCode
 
@@ -90,7 +89,6 @@ class Pair:
 @dataclass(frozen=True, slots=True)
 class LocalRegion:
     desc: MemoryDesc
-    inner: AsyncMemoryDesc
     keep: object  # the buffer (and the tensor behind it) stays alive while registered
 
 
@@ -232,11 +230,10 @@ class EngineRuntime:
     def _register(self, buffer: object, device_id: int, keep: object) -> MemoryDesc:
         inner = self.aio.register_memory(buffer, export=True)  # MoRI-IO: a peer given the packed desc reaches it
         desc = MemoryDesc(
-            self.key, next(self._mem_ids) & 0xFFFFFFFF, device_id, "", inner.addr, inner.length,
-            MemoryLocationType.CPU, bytes(IPC_HANDLE_SIZE), -1, inner.incarnation, inner.rkey, int(inner.access),
-            inner.rkeys,
+            inner=inner, id=next(self._mem_ids) & 0xFFFFFFFF, device_id=device_id, device_bus_id="",
+            loc=MemoryLocationType.CPU, ipc_handle=bytes(IPC_HANDLE_SIZE), numa_node=-1,
         )  # fmt: skip
-        self.locals[desc.id] = LocalRegion(desc, inner, (buffer, keep))
+        self.locals[desc.id] = LocalRegion(desc, (buffer, keep))
         return desc
 
     async def deregister(self, desc: MemoryDesc, timeout: float) -> None:
@@ -247,7 +244,7 @@ class EngineRuntime:
         for key in [k for k in self.pairs if k[0] == desc.id]:
             self._drop_pair(key)
         del self.locals[desc.id]
-        await self.aio.release_memory(region.inner, timeout)
+        await self.aio.release_memory(region.desc.inner, timeout)
 
     # -- remote engines and sessions -------------------------------------------------------------
 
@@ -307,7 +304,7 @@ class EngineRuntime:
         async with self._open_lock:
             try:
                 for _ in range(cfg.qp_per_transfer):
-                    stripes.append(await self.aio.create_session(region.inner, remote.inner))
+                    stripes.append(await self.aio.create_session(region.desc.inner, remote.inner))
             except (MoriioError, OSError) as exc:
                 for stripe in stripes:
                     await stripe.close()
