@@ -39,12 +39,15 @@ CQ_DEPTH = 8192
 """Completion-queue depth of the pairs the harness makes (deep enough for every test's batches)."""
 
 
-def make_options(**overrides: Any) -> BackendOptions:
-    """Test defaults, then MORIIO_TEST_BACKEND_OPTIONS (JSON: e.g. the verbs device), then ``overrides``."""
+def make_options(backend: str = "verbs", **overrides: Any) -> BackendOptions:
+    """Test defaults, then MORIIO_TEST_BACKEND_OPTIONS (JSON: e.g. the verbs device), then ``overrides``.
+
+    The environment's verbs settings go into ``specific`` only for the verbs backend (a test that opens
+    another backend by name says so: ``make_options("tcp")``; a backend refuses another's options)."""
     options = BackendOptions(retry_timeout=2.0, connect_timeout=10.0)
     env = json.loads(os.environ.get("MORIIO_TEST_BACKEND_OPTIONS", "{}"))
     verbs = {k: env.pop(k) for k in list(env) if k in VerbsOptions.__dataclass_fields__}
-    if verbs:  # the verbs device and its settings: the suite runs on verbs alone then
+    if verbs and backend == "verbs":  # the verbs device and its settings: the suite runs on verbs alone then
         env["specific"] = VerbsOptions(**verbs)
     return replace(options, **{**env, **overrides})
 

@@ -78,7 +78,7 @@ def test_a_doorbell_write_left_over_as_its_pair_fails_is_released(
 def test_closing_the_backend_returns_even_with_a_pin_left(caplog: pytest.LogCaptureFixture) -> None:
     """A pin nothing will release (what the leaked write above left) must not make ``close`` wait
     for ever: by then every NIC thread is joined, so no socket call can touch the buffer."""
-    backend = open_backend("tcp", make_options())
+    backend = open_backend("tcp", make_options("tcp"))
     buf = np.zeros(4096, np.uint8)
     mr = backend.register_memory(memoryview(buf), Access.all())
     assert isinstance(mr, TcpRegion) and mr.pin()

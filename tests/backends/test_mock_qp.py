@@ -182,7 +182,7 @@ def test_what_post_refuses(pairs: PairFactory) -> None:
 
 
 def test_a_pair_not_connected_refuses_posts() -> None:
-    backend = open_backend("mock", make_options())
+    backend = open_backend("mock", make_options("mock"))
     try:
         qp = backend.create_qp(backend.create_cq(8))
         assert qp.state == QpState.INIT
@@ -193,7 +193,7 @@ def test_a_pair_not_connected_refuses_posts() -> None:
 
 
 def test_what_connect_refuses() -> None:
-    backend = open_backend("mock", make_options())
+    backend = open_backend("mock", make_options("mock"))
     try:
         a, b = (backend.create_qp(backend.create_cq(8)) for _ in range(2))
         ep = dict(a.endpoint())
@@ -427,7 +427,7 @@ def test_to_error_flushes_every_held_request_at_once(pairs: PairFactory) -> None
 
 def test_a_closed_passive_pair_leaves_its_fabric() -> None:
     fabric = MockFabric()
-    backend = open_backend("mock", make_options(specific=MockOptions(fabric=fabric)))
+    backend = open_backend("mock", make_options("mock", specific=MockOptions(fabric=fabric)))
     try:
         passive = backend.create_qp(backend.create_cq(8))
         passive.connect({"accepting": False})  # waits for a dial by its token

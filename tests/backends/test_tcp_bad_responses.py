@@ -40,7 +40,7 @@ BAD = {  # the response to a one-request READ chunk of SIZE bytes, sequence numb
 @pytest.mark.parametrize("kind", list(BAD))
 def test_a_response_that_answers_another_request_is_a_bad_response(kind: str) -> None:
     fake = socket.create_server(("127.0.0.1", 0))
-    backend = open_backend("tcp", make_options(retry_timeout=5.0))
+    backend = open_backend("tcp", make_options("tcp", retry_timeout=5.0))
 
     def serve() -> None:
         conn, _ = fake.accept()

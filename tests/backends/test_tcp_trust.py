@@ -57,7 +57,7 @@ class Target:
 def target(*, export: bool = True, key: bytes | None = None, **options: object) -> Iterator[Target]:
     """A backend with one 64 KiB region and a passive pair waiting for a dial from pair number 7."""
     own = {k: options.pop(k) for k in list(options) if k in TcpOptions.__dataclass_fields__}
-    backend = open_backend("tcp", make_options(**options, specific=TcpOptions(**own)))  # type: ignore[arg-type]
+    backend = open_backend("tcp", make_options("tcp", **options, specific=TcpOptions(**own)))  # type: ignore[arg-type]
     try:
         buf = np.zeros(1 << 16, np.uint8)
         mr = backend.register_memory(memoryview(buf), Access.all())
@@ -105,7 +105,7 @@ def test_with_a_session_key_the_token_is_derived_never_sent_and_good_once(caplog
 def test_passive_pairs_opened_and_closed_leave_no_token_on_the_data_port(key: bytes | None) -> None:
     """A token waits on the data port from the passive connect until its dial; a pair closed first (its
     peer never dialed, or gave up) takes its token with it, so churn leaves the port holding nothing."""
-    opts = make_options()
+    opts = make_options("tcp")
     a, b = open_backend("tcp", opts), open_backend("tcp", opts)
     try:
         assert isinstance(b, TcpBackend)
@@ -175,7 +175,7 @@ def test_token_guesses_past_the_budget_each_wait_and_an_honest_dial_from_there_s
 
 
 def test_both_sides_derive_the_same_token_and_disagreeing_sides_fail_clearly() -> None:
-    opts = make_options()
+    opts = make_options("tcp")
     a, b = open_backend("tcp", opts), open_backend("tcp", opts)
     try:
         buf = np.zeros(4096, np.uint8)
@@ -201,7 +201,7 @@ def test_both_sides_derive_the_same_token_and_disagreeing_sides_fail_clearly() -
 def test_an_answering_pair_never_dials() -> None:
     listening = socket.create_server(("127.0.0.1", 0))
     listening.setblocking(False)
-    backend = open_backend("tcp", make_options())
+    backend = open_backend("tcp", make_options("tcp"))
     try:
         qp = backend.create_qp(backend.create_cq(8))
         qp.bind_session(None, answering=True)
@@ -245,7 +245,7 @@ def test_an_unexported_region_is_an_unknown_rkey_counted_and_reported() -> None:
 
 
 def test_rkeys_are_random_and_never_reused() -> None:
-    backend = open_backend("tcp", make_options())
+    backend = open_backend("tcp", make_options("tcp"))
     try:
         buf = np.zeros(64, np.uint8)
         keys: list[int] = []
@@ -366,7 +366,7 @@ def test_a_target_trickling_its_read_response_is_cut_at_the_deadline(part: str) 
     """The initiator's side too: a hostile target that answers a READ a byte at a time (each within
     the silence timeout) fails the request with RETRY_EXC_ERR at the response's deadline."""
     fake = socket.create_server(("127.0.0.1", 0))
-    backend = open_backend("tcp", make_options(retry_timeout=1.0))
+    backend = open_backend("tcp", make_options("tcp", retry_timeout=1.0))
     stop = threading.Event()
 
     def serve() -> None:

@@ -24,9 +24,10 @@ guest_only = pytest.mark.skipif(not IN_GUEST, reason=NOT_IN_GUEST)
 
 def guest_options(**overrides: object) -> BackendOptions:
     own: dict[str, object] = {"device": os.environ.get("MORIIO_GUEST_DEVICE", "rxe0"), "qp_timeout": 12}
-    own.update(overrides)
+    common = {k: v for k, v in overrides.items() if k not in VerbsOptions.__dataclass_fields__}
+    own.update({k: v for k, v in overrides.items() if k in VerbsOptions.__dataclass_fields__})
     host = os.environ.get("MORIIO_GUEST_SELF_IP") or BackendOptions.host
-    return BackendOptions(host=host, specific=VerbsOptions(**own))  # type: ignore[arg-type]
+    return BackendOptions(host=host, specific=VerbsOptions(**own), **common)  # type: ignore[arg-type]
 
 
 def drain(cq: CompletionQueue, want: int, timeout: float) -> list[WorkCompletion]:
