@@ -41,8 +41,6 @@ from .settings import ConnectorSettings
 
 __all__ = ["PAGE", "MoRIIOAsyncConnector", "MoRIIOConnector"]
 
-log = logging.getLogger("moriio_async")
-
 PAGE = 4096
 _MODULES = (  # a module before those that import names from it
     "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_engine",
