@@ -151,7 +151,7 @@ class VllmDemo:
             report.results += await load  # every request must end: an answer, a retry or an error
             if fault is not None:
                 assert report.kill is not None
-                await self.recover(prefill, fault, url, prompts, report, report.kill)
+                await self.recover(prefill, fault, url, prompts, report, report.kill, time.perf_counter())
         report.wall = time.perf_counter() - started
         report.leaks = await self.blocks_left(prefill, decode)
         report.spans = load_spans(self.trace_dir, since)
@@ -182,9 +182,18 @@ class VllmDemo:
         return kill
 
     async def recover(
-        self, prefill: Server, fault: str, url: str, prompts: list[str], report: ModeReport, kill: KillReport
+        self,
+        prefill: Server,
+        fault: str,
+        url: str,
+        prompts: list[str],
+        report: ModeReport,
+        kill: KillReport,
+        load_ended: float,
     ) -> None:
-        """Restart the killed server (or continue the stopped one past the timeout); it must serve again."""
+        """Restart the killed server (or continue the stopped one past the timeout); it must serve again.
+
+        ``load_ended``: when the faulted load's last request ended (every failed attempt came before)."""
         if fault == "stopped":
             left = self.args.transfer_timeout + 1 - (time.perf_counter() - kill.killed_at)
             await asyncio.sleep(max(0.0, left))
@@ -193,9 +202,9 @@ class VllmDemo:
             await self.fleet.restart(prefill)
         kill.restarted_after = time.perf_counter() - kill.killed_at
         # The proxy leaves a prefill server out for transfer_timeout after its last failed attempt (so no request
-        # waits twice on a server that is down); a stopped server's attempts fail until about then. Clients that
-        # come sooner get a 503 at once; the wave comes once that window is over.
-        await asyncio.sleep(self.args.transfer_timeout)
+        # waits twice on a server that is down), and every failed attempt came before the load ended. Clients
+        # that come sooner get a 503 at once; the wave comes once that window is over (a restart outlasts it).
+        await asyncio.sleep(max(0.0, self.args.transfer_timeout - (time.perf_counter() - load_ended)))
         wave = await self.load(url, prompts[:4], 1)
         report.results += wave
         kill.served_after_restart = sum(1 for r in wave if r.ok)
