@@ -9,12 +9,12 @@ would see the wrong bytes land if it were not.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from moriio_async.backends import open_backend
-from moriio_async.backends.base import Backend
+from moriio_async.backends.base import Backend, QueuePair, SendQueueFull
 from moriio_async.errors import InvalidArgument
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkBatch, WorkRequest
@@ -148,3 +148,65 @@ def test_each_posted_section_signals_exactly_its_own_signaled_requests(verbs: Ba
     for i in range(n):
         want = b"".join(bytes(src_buf[s.addr - src.addr : s.addr - src.addr + s.length]) for s in sges(i))
         assert dst_buf[i * k : (i + 1) * k] == want, i
+
+
+def _as_batch(qp: QueuePair) -> Callable[[int, Opcode, int, int, int, int, int], None]:
+    def post(wr_id: int, opcode: Opcode, local: int, lkey: int, remote: int, rkey: int, length: int) -> None:
+        qp.post(WorkBatch.one(wr_id, opcode, local, lkey, remote, rkey, length))
+
+    return post
+
+
+def test_post_one_ends_as_post_of_the_one_request_batch(verbs: Backend) -> None:
+    """``post_one`` (the single read or write, posted on plain integers) against ``post`` of
+    ``WorkBatch.one`` of the same values: the same bytes and completion (wr_id, status, opcode,
+    byte_len) for a WRITE and a READ, the same LOC_PROT_ERR for a local entry outside its region
+    with nothing moved, a flush for everything after it, the same refusal of an unknown opcode and
+    of a full send queue, and completions in posting order when single ops and a batch mix."""
+    src_buf, dst_buf = bytearray(os.urandom(SIZE)), bytearray(SIZE)
+    src = verbs.register_memory(memoryview(src_buf), Access.all())
+    dst = verbs.register_memory(memoryview(dst_buf), Access.all())
+    k = 4096
+    seen = []
+    for how in ("one", "batch"):
+        cq = verbs.create_cq(1024)
+        active, _passive = connect(verbs, cq)
+        post = active.post_one if how == "one" else _as_batch(active)
+        dst_buf[:] = bytes(SIZE)
+        src_buf[8 * k : 9 * k] = os.urandom(k)
+        post(1, Opcode.RDMA_WRITE, src.addr, src.lkey, dst.addr + k, dst.rkey, k)
+        dst_buf[2 * k : 3 * k] = os.urandom(k)
+        post(2, Opcode.RDMA_READ, src.addr + 8 * k, src.lkey, dst.addr + 2 * k, dst.rkey, 3 * k // 4)
+        wcs: list[tuple[object, ...]] = [(w.wr_id, w.status, w.opcode, w.byte_len) for w in drain(cq, 2, 30)]
+        assert dst_buf[k : 2 * k] == src_buf[:k] and dst_buf[:k] == bytes(k)
+        assert src_buf[8 * k : 8 * k + 3 * k // 4] == dst_buf[2 * k : 2 * k + 3 * k // 4]
+        with pytest.raises(InvalidArgument):
+            post(3, 9, src.addr, src.lkey, dst.addr, dst.rkey, 8)  # type: ignore[arg-type]
+        before = bytes(dst_buf[3 * k : 4 * k])
+        post(3, Opcode.RDMA_WRITE, src.addr + SIZE - 8, src.lkey, dst.addr + 3 * k, dst.rkey, 16)  # past the end
+        post(4, Opcode.RDMA_WRITE, src.addr, src.lkey, dst.addr + 3 * k, dst.rkey, 8)
+        wcs += [(w.wr_id, w.status) for w in drain(cq, 2, 30)]
+        assert bytes(dst_buf[3 * k : 4 * k]) == before, "a refused request moved bytes"
+        seen.append(wcs)
+        active.close()
+    assert seen[0] == seen[1]
+    assert seen[0] == [
+        (1, WcStatus.SUCCESS, Opcode.RDMA_WRITE, k),
+        (2, WcStatus.SUCCESS, Opcode.RDMA_READ, 3 * k // 4),
+        (3, WcStatus.LOC_PROT_ERR),
+        (4, WcStatus.WR_FLUSH_ERR),
+    ]
+    cq = verbs.create_cq(1024)
+    active, _passive = connect(verbs, cq)
+    for i in range(active.max_send_wr):  # single ops and a batch in one queue: completions in order
+        if i % 3:
+            active.post_one(10 + i, Opcode.RDMA_WRITE, src.addr + i * 8, src.lkey, dst.addr + i * 8, dst.rkey, 8)
+        else:
+            active.post(WorkBatch.one(10 + i, Opcode.RDMA_WRITE, src.addr + i * 8, src.lkey, dst.addr + i * 8,
+                                      dst.rkey, 8))  # fmt: skip
+    with pytest.raises(SendQueueFull):
+        active.post_one(9, Opcode.RDMA_WRITE, src.addr, src.lkey, dst.addr, dst.rkey, 8)
+    n = active.max_send_wr
+    assert [w.wr_id for w in drain(cq, n, 60)] == [10 + i for i in range(n)]
+    active.post_one(9, Opcode.RDMA_WRITE, src.addr, src.lkey, dst.addr, dst.rkey, 8)  # every slot came back
+    assert [w.wr_id for w in drain(cq, 1, 10)] == [9]

@@ -20,7 +20,8 @@ of requests it gave the hardware, and:
   completions for this pair, which would only repeat them.
 
 Requests are recorded as spans over the posted ``WorkBatch`` (its wr_ids are
-consecutive), never as an object per request: posting a chunk appends one span,
+consecutive), never as an object per request: posting a chunk appends one span
+(the single read or write, posted as integers, is a span of one with no batch),
 a completion trims or drops spans, and the batch's arrays are read only for the
 one request a completion names. Made-up completions are spans too, expanded one
 completion per request only when polled (a failed request always completes).
@@ -29,6 +30,7 @@ completion per request only when polled (a failed request always completes).
 from __future__ import annotations
 
 from collections import deque
+from typing import ClassVar
 
 from ...status import Opcode, WcStatus
 from ...work import WorkBatch, WorkCompletion
@@ -42,28 +44,69 @@ _OPCODES = {int(op): op for op in Opcode}
 
 
 class _Span:
-    """wr_ids ``pos..end-1`` of ``batch`` (request ``i`` of it is wr_id ``batch.wr_id + i``).
+    """wr_ids ``pos..end-1``, given to the hardware or refused. A made-up span also carries the
+    status of its first request (the rest are flushes) and that request's vendor error."""
 
-    ``batch`` None is the fence. A made-up span also carries the status of its first
-    request (the rest are flushes) and that request's vendor error.
-    """
+    __slots__ = ("end", "pos", "status", "vendor_err")
+    fence: ClassVar[bool] = False
 
-    __slots__ = ("batch", "end", "pos", "status", "vendor_err")
-
-    def __init__(
-        self, batch: WorkBatch | None, pos: int, end: int, status: WcStatus = WcStatus.SUCCESS, vendor_err: int = 0
-    ) -> None:
-        self.batch = batch
+    def __init__(self, pos: int, end: int) -> None:
         self.pos = pos
         self.end = end
-        self.status = status
-        self.vendor_err = vendor_err
+        self.status = WcStatus.SUCCESS
+        self.vendor_err = 0
 
     def opcode(self, wr_id: int) -> Opcode:
-        return Opcode.RDMA_WRITE if self.batch is None else _OPCODES[int(self.batch.opcode[wr_id - self.batch.wr_id])]
+        raise NotImplementedError
 
     def length(self, wr_id: int) -> int:
-        return 0 if self.batch is None else int(self.batch.length[wr_id - self.batch.wr_id])
+        raise NotImplementedError
+
+
+class _Batch(_Span):
+    """Requests of a posted ``WorkBatch`` (request ``i`` of it is wr_id ``batch.wr_id + i``)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: WorkBatch, pos: int, end: int) -> None:
+        super().__init__(pos, end)
+        self.batch = batch
+
+    def opcode(self, wr_id: int) -> Opcode:
+        return _OPCODES[int(self.batch.opcode[wr_id - self.batch.wr_id])]
+
+    def length(self, wr_id: int) -> int:
+        return int(self.batch.length[wr_id - self.batch.wr_id])
+
+
+class _One(_Span):
+    """The single read or write posted as plain integers (``VerbsQueuePair.post_one``): no batch."""
+
+    __slots__ = ("nbytes", "op")
+
+    def __init__(self, wr_id: int, op: Opcode, nbytes: int) -> None:
+        super().__init__(wr_id, wr_id + 1)
+        self.op = op
+        self.nbytes = nbytes
+
+    def opcode(self, wr_id: int) -> Opcode:
+        return self.op
+
+    def length(self, wr_id: int) -> int:
+        return self.nbytes
+
+
+class _Fence(_Span):
+    """The backend's own fence (``SendLedger.fence``): covers, never delivered."""
+
+    __slots__ = ()
+    fence = True
+
+    def opcode(self, wr_id: int) -> Opcode:
+        return Opcode.RDMA_WRITE
+
+    def length(self, wr_id: int) -> int:
+        return 0
 
 
 class SendLedger:
@@ -114,12 +157,17 @@ class SendLedger:
         """Record that the hardware accepted requests ``0:stop`` of ``batch`` (all when None)."""
         n = len(batch) if stop is None else stop
         if n > 0:
-            self._hw.append(_Span(batch, batch.wr_id, batch.wr_id + n))
+            self._hw.append(_Batch(batch, batch.wr_id, batch.wr_id + n))
             self._n_hw += n
+
+    def posted_one(self, wr_id: int, opcode: Opcode, length: int) -> None:
+        """Record that the hardware accepted the single request ``wr_id`` (``posted`` without a batch)."""
+        self._hw.append(_One(wr_id, opcode, length))
+        self._n_hw += 1
 
     def describe(self) -> str:
         """For error messages: what holds the slots."""
-        spans = [f"{s.pos}..{s.end - 1}" if s.batch is not None else "fence" for s in self._hw]
+        spans = ["fence" if s.fence else f"{s.pos}..{s.end - 1}" for s in self._hw]
         shown = spans if len(spans) <= 6 else [*spans[:3], "...", *spans[-2:]]
         return f"hardware {shown} ({self._fences} fences), {self._n_synth} made-up, dead={self.dead}"
 
@@ -130,14 +178,14 @@ class SendLedger:
         unsignaled request that succeeded before the error never completes on
         its own. The fence's flush completion covers it, so the wait ends.
         """
-        self._hw.append(_Span(None, FENCE_WR_ID, FENCE_WR_ID + 1))
+        self._hw.append(_Fence(FENCE_WR_ID, FENCE_WR_ID + 1))
         self._fences += 1
 
     def refused(self, batch: WorkBatch, status: WcStatus, start: int = 0, vendor_err: int = 0) -> None:
         """Record that requests ``start:`` of ``batch`` never reached the hardware: the first
         completes with ``status``, the rest flush."""
         if start < len(batch):
-            self._add_synth(_Span(batch, batch.wr_id + start, batch.wr_id + len(batch)), status, vendor_err)
+            self._add_synth(_Batch(batch, batch.wr_id + start, batch.wr_id + len(batch)), status, vendor_err)
 
     def complete(self, wr_id: int, status: WcStatus, vendor_err: int, byte_len: int) -> WorkCompletion | None:
         """A hardware completion: the translated one, or None when it must be dropped."""
@@ -153,7 +201,7 @@ class SendLedger:
             return None  # not ours (already synthesized): drop
         for _ in range(index):  # earlier spans were unsignaled and are done: RC completes in order
             self._drop(hw.popleft())
-        if span.batch is None:
+        if span.fence:
             hw.popleft()
             self._fences -= 1
             return None
@@ -175,7 +223,7 @@ class SendLedger:
         if self.dead:
             return
         self.dead = True
-        made_up = [span for span in self._hw if span.batch is not None]
+        made_up = [span for span in self._hw if not span.fence]
         self._hw.clear()
         self._n_hw = 0
         self._fences = 0
@@ -212,7 +260,7 @@ class SendLedger:
         self._n_synth += span.end - span.pos
 
     def _drop(self, span: _Span) -> None:
-        if span.batch is None:
+        if span.fence:
             self._fences -= 1
         else:
             self._n_hw -= span.end - span.pos

@@ -19,7 +19,7 @@ from ...status import Access, Opcode, WcStatus
 from ...work import WorkBatch
 from ..base import TAG_SHIFT, Endpoint, QpState, QueuePair, SendQueueFull
 from ._pyverbs import Context, PdHandle, QpHandle
-from .checks import first_bad_local
+from .checks import covers, first_bad_local
 from .cq import VerbsCompletionQueue
 from .facts import LINK_LAYER_ETHERNET, DeviceLimits, PortFacts
 from .faults import PairFaults, VerbsFaultSeam
@@ -195,6 +195,35 @@ class VerbsQueuePair(QueuePair):
         else:
             self._post_now(batch)
 
+    def post_one(
+        self, wr_id: int, opcode: Opcode, local_addr: int, lkey: int, remote_addr: int, rkey: int, length: int
+    ) -> None:
+        """The single read or write on plain integers: the same checks, ledger record and outcome as
+        ``post`` of ``WorkBatch.one``, without its arrays. Under emulation every numpy call costs
+        100-300 us and the batch path makes about a dozen for one request. Anything unusual (a
+        fault plan, a pair that only makes up completions, a request a check refuses, a full
+        queue) takes ``post`` of the batch, which refuses it or fails it in order the long way."""
+        ledger = self.ledger
+        region = self._regions(lkey)
+        if (
+            self.faults is not None
+            or self.closed
+            or ledger.must_synthesize
+            or ledger.free < 1
+            or (opcode != _WRITE and opcode != _READ)
+            or length > _MAX_SGE_BYTES
+            or region is None
+            or not covers(region, local_addr, length, write=opcode == _READ)
+        ):
+            super().post_one(wr_id, opcode, local_addr, lkey, remote_addr, rkey, length)
+            return
+        read = opcode == _READ
+        error = self.handle.post_one(wr_id, read, local_addr, lkey, remote_addr, rkey, length)
+        if error is None:
+            ledger.posted_one(wr_id, Opcode.RDMA_READ if read else Opcode.RDMA_WRITE, length)
+        else:  # nothing of it was posted (a failed ibv_wr_complete posts nothing of its section)
+            self._refused(WorkBatch.one(wr_id, opcode, local_addr, lkey, remote_addr, rkey, length), 0, error)
+
     def _post_now(self, batch: WorkBatch) -> None:
         n, ledger = len(batch), self.ledger
         if ledger.must_synthesize or self.closed:
@@ -208,15 +237,18 @@ class VerbsQueuePair(QueuePair):
         good = n if bad is None else bad
         taken, error = self.handle.post(batch, good) if good else (0, None)
         ledger.posted(batch, taken)
-        if error is None and bad is None:
-            return
         if error is not None:
-            in_error = self.hw_state() in (QPS_ERR, QPS_SQE, None)
-            status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
-            log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qpn, taken, n, error,
-                        status.name)  # fmt: skip
-        else:
-            taken, status = good, WcStatus.LOC_PROT_ERR
+            self._refused(batch, taken, error)
+        elif bad is not None:
+            self._fail_from([(batch, good)], WcStatus.LOC_PROT_ERR)
+
+    def _refused(self, batch: WorkBatch, taken: int, error: VerbsError) -> None:
+        """The device refused request ``taken`` of ``batch``: it fails (a flush if the pair is in
+        error already) and the rest flush after it."""
+        in_error = self.hw_state() in (QPS_ERR, QPS_SQE, None)
+        status = WcStatus.WR_FLUSH_ERR if in_error else WcStatus.LOC_QP_OP_ERR
+        log.warning("QP %d refused request %d of %d (%s): it ends %s", self.qpn, taken, len(batch), error,
+                    status.name)  # fmt: skip
         self._fail_from([(batch, taken)], status)
 
     def _shape_error(self, batch: WorkBatch, counts: npt.NDArray[np.int64]) -> str:

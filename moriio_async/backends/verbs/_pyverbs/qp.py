@@ -165,6 +165,39 @@ class QpHandle:
                     return taken, error
         return taken, None
 
+    def post_one(
+        self, wr_id: int, read: bool, addr: int, lkey: int, remote_addr: int, rkey: int, length: int
+    ) -> VerbsError | None:
+        """Post one signaled request with one scatter entry: None, or the error (then nothing was posted).
+
+        Its own section of a handful of Cython calls, with no arrays to read. A plain QP posts the
+        one-request batch through ``post``.
+        """
+        if not self.extended:
+            op = Opcode.RDMA_READ if read else Opcode.RDMA_WRITE
+            return self.post(WorkBatch.one(wr_id, op, addr, lkey, remote_addr, rkey, length), 1)[1]
+        qp, sge = self._qp, self._sge
+        sge.addr = addr
+        sge.length = length
+        sge.lkey = lkey
+        qp.wr_start()
+        try:
+            qp.wr_id = wr_id
+            qp.wr_flags = _SEND_SIGNALED
+            if read:
+                qp.wr_rdma_read(rkey, remote_addr)
+            else:
+                qp.wr_rdma_write(rkey, remote_addr)
+            qp.wr_set_sge(sge)
+        except BaseException:
+            qp.wr_abort()
+            raise
+        try:
+            qp.wr_complete()
+        except lib.PyverbsError as exc:
+            return lib.fail(f"QP {self.qp_num}: ibv_wr_complete", exc)
+        return None
+
     def _section(self, first_id: int, lo: int, hi: int, cols: tuple[list[Any], ...], starts: list[int],
                  sges: tuple[list[int], list[int], list[int]]) -> None:  # fmt: skip
         qp, sge = self._qp, self._sge
