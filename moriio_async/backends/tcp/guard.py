@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from ...core.budget import FailureBudget, source_of
 from ...core.ratelog import RateLimitedLog
+from ..described import DataPlaneCounts
 
 __all__ = ["DataGuard"]
 
@@ -108,17 +109,17 @@ class DataGuard:
         self._count("aborted")
         log.debug("tcp qp %d: a request into a region being deregistered was aborted", qp_num)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> DataPlaneCounts:
         with self._lock:
-            return {
-                "refused_tokens": self.refused_tokens,
-                "bad_messages": self.bad_messages,
-                "slow_messages": self.slow_messages,
-                "refused_connections": self.refused_connections,
-                "access_errors": self.access_errors,
-                "aborted_requests": self.aborted,
-                "suppressed_log_lines": self._warn.suppressed,
-                "evicted_hellos": self.evicted_hellos,
-                "lockouts": self.budget.lockouts,
-                "delayed": self.budget.delayed,
-            }
+            return DataPlaneCounts(
+                refused_tokens=self.refused_tokens,
+                bad_messages=self.bad_messages,
+                slow_messages=self.slow_messages,
+                refused_connections=self.refused_connections,
+                access_errors=self.access_errors,
+                aborted_requests=self.aborted,
+                suppressed_log_lines=self._warn.suppressed,
+                evicted_hellos=self.evicted_hellos,
+                lockouts=self.budget.lockouts,
+                delayed=self.budget.delayed,
+            )
