@@ -118,19 +118,27 @@ class Proxy:
         blame = other if err.cause == other.role else leg
         return LegError(f"{leg.role} {leg.url}: {err.error}", blame, retryable=err.retryable)
 
+    async def _post(
+        self, leg: str, to: Endpoint, other: Endpoint, body: PrefillRequest | GenerateRequest
+    ) -> httpx.Response:
+        """POST ``body`` to ``to``'s ``/{leg}``, streamed: a transport error is ``to`` down, another status
+        than 200 the error its body names (``_failed``, which may blame ``other``)."""
+        try:
+            resp = await self.client.send(
+                self.client.build_request(
+                    "POST", f"{to.url}/{leg}", content=msgspec.json.encode(body), timeout=self._timeout()
+                ),
+                stream=True,
+            )
+        except httpx.TransportError as exc:
+            raise LegError(f"{to.role} {to.url}: {type(exc).__name__}: {exc}", to, down=True) from exc
+        if resp.status_code != 200:
+            raise await self._failed(resp, to, other)
+        return resp
+
     async def _prefill(self, p: Endpoint, d: Endpoint, req: PrefillRequest) -> PrefillResponse:
         with self.fleet.using(p):
-            try:
-                resp = await self.client.send(
-                    self.client.build_request(
-                        "POST", f"{p.url}/prefill", content=msgspec.json.encode(req), timeout=self._timeout()
-                    ),
-                    stream=True,
-                )
-            except httpx.TransportError as exc:
-                raise LegError(f"prefill {p.url}: {type(exc).__name__}: {exc}", p, down=True) from exc
-            if resp.status_code != 200:
-                raise await self._failed(resp, p, d)
+            resp = await self._post("prefill", p, d, req)
             try:
                 return msgspec.json.decode(await resp.aread(), type=PrefillResponse)
             except (httpx.TransportError, msgspec.DecodeError) as exc:
@@ -139,18 +147,7 @@ class Proxy:
                 await resp.aclose()
 
     async def _generate(self, p: Endpoint, d: Endpoint, req: GenerateRequest) -> httpx.Response:
-        try:
-            resp = await self.client.send(
-                self.client.build_request(
-                    "POST", f"{d.url}/generate", content=msgspec.json.encode(req), timeout=self._timeout()
-                ),
-                stream=True,
-            )
-        except httpx.TransportError as exc:
-            raise LegError(f"decode {d.url}: {type(exc).__name__}: {exc}", d, down=True) from exc
-        if resp.status_code != 200:
-            raise await self._failed(resp, d, p)
-        return resp
+        return await self._post("generate", d, p, req)
 
     async def _abort(self, ep: Endpoint, request_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
