@@ -222,7 +222,7 @@ class IOEngine:
 
         Peers reach a region only if it is exported: by default when it has a ``name``; ``export=True``
         exports an unnamed one (whose descriptor you hand to peers yourself), ``export=False`` keeps a
-        named one local. See ``export_memory`` and README "Security".
+        named one local. See ``export_memory`` and docs/security.md.
         """
         self._on_loop("register_memory")
         return self._memory.register(self._require_open().backends, buffer, name, access, export)

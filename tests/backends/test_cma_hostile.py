@@ -3,7 +3,7 @@
 What it cannot do whatever code it runs: write an allocation no region of which is exported with
 REMOTE_WRITE, or the region table, through the memfds it is handed (or opens by path); so a revoked
 slot stays revoked and an honest peer's stale descriptor fails. (With ptrace permission it could
-still write anything by cross-memory attach: README "What a peer of the same user can do".)
+still write anything by cross-memory attach: docs/backends.md, "What a peer of the same user can do".)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ or checked against the key the link authenticated as; a key in a frame's body
 is never looked at. A listener cannot prove one identity and welcome as
 another, nor list another engine's regions as its own. Proofs are checked in
 constant time. The limit that remains (one shared secret: any holder may
-prove any key) is the README's, and is shown here as what it is.
+prove any key) is docs/security.md's, and is shown here as what it is.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ async def test_notices_speak_for_the_key_their_link_proved_never_one_in_their_bo
 
 
 async def test_the_limit_of_one_shared_secret_any_holder_can_prove_any_key(secured: Pair) -> None:
-    """What the README's Security section says remains: a holder of the secret that proves a's key
+    """What docs/security.md says remains: a holder of the secret that proves a's key
     (at a's incarnation) speaks as a. This is the control for the test above: the same close_qps,
     from a link that proved a, do close a's answering pair."""
     p = secured

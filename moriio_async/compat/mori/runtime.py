@@ -54,7 +54,7 @@ def backend_name_for(kind: BackendType) -> str:
     """The moriio_async backend behind a MoRI-IO backend type."""
     if kind is BackendType.RDMA:
         # cma for peers on this host, verbs when a device works, else tcp (each session the best its peer
-        # shares; see README "A transport per peer"); MORIIO_COMPAT_RDMA_BACKEND=verbs refuses to fall back
+        # shares; see docs/backends.md, "A transport per peer"); MORIIO_COMPAT_RDMA_BACKEND=verbs refuses to fall back
         return os.environ.get("MORIIO_COMPAT_RDMA_BACKEND", "auto")
     if kind is BackendType.TCP:
         return "tcp"
