@@ -23,6 +23,7 @@ __all__ = [
     "ErrorBody",
     "GenerateRequest",
     "InstanceHealth",
+    "KvTransfer",
     "PrefillRequest",
     "PrefillResponse",
     "Release",
@@ -44,6 +45,23 @@ class EngineRef(msgspec.Struct, frozen=True):
     key: str
     address: str
     incarnation: int
+
+
+class KvTransfer(msgspec.Struct, kw_only=True):
+    """A completion's ``kv_transfer`` (the proxy adds it to the response): the attempts it took, the mode
+    and instances of the one that served it, and what moving its KV cost (``TransferStats``, from the
+    decode instance's ``x-kv-*`` headers). Mutable: the proxy fills it in as the request ends."""
+
+    attempts: int = 1
+    mode: str = ""
+    prefill: str = ""
+    decode: str = ""
+    bytes: int = 0
+    transfer_s: float = 0.0
+    exposed_s: float | None = None
+    """None until known: WRITE takes the prefill instance's (until write_done left), READ the decode's."""
+    prefill_compute_s: float = 0.0
+    """The prefill instance's compute time."""
 
 
 class TransferStats(msgspec.Struct):

@@ -84,7 +84,7 @@ class ModeReport:
             "unavailable": self.unavailable,
             "failed": self.failed,
             "hung": self.hung,
-            "retried": sum(1 for r in ok if int(r.kv.get("attempts", 1)) > 1),
+            "retried": sum(1 for r in ok if r.kv.attempts > 1),
             "max_latency_s": max((r.latency for r in self.results), default=0.0),
             "leaks": self.leaks,
             "kill": dataclasses.asdict(self.kill) if self.kill is not None else None,
@@ -102,11 +102,11 @@ class ModeReport:
         ok = self.ok_results()
         ttft = [r.ttft for r in ok if r.ttft is not None]
         gaps = [g for r in ok for g in r.gaps]
-        kv_bytes = sum(int(r.kv.get("bytes", 0)) for r in ok)
-        busy = sum(float(r.kv.get("transfer_s", 0.0)) for r in ok)
-        exposed = [float(r.kv.get("exposed_s", 0.0)) for r in ok if r.ttft]
-        shares = [float(r.kv.get("exposed_s", 0.0)) / r.ttft for r in ok if r.ttft]
-        retried = sum(1 for r in ok if int(r.kv.get("attempts", 1)) > 1)
+        kv_bytes = sum(r.kv.bytes for r in ok)
+        busy = sum(r.kv.transfer_s for r in ok)
+        exposed = [(r.kv.exposed_s or 0.0) for r in ok if r.ttft]
+        shares = [(r.kv.exposed_s or 0.0) / r.ttft for r in ok if r.ttft]
+        retried = sum(1 for r in ok if r.kv.attempts > 1)
         rows = {
             "requests ok / sent": f"{len(ok)} / {len(self.results)}",
             "token-identical to reference": f"{self.identical} / {len(ok)}"

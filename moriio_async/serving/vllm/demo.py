@@ -36,6 +36,7 @@ import uvicorn
 from rich.console import Console
 
 from ..launcher import cancel_on_signals, group_alive
+from ..messages import KvTransfer
 from ..report import KillReport, ModeReport, table_of
 from ..workload import Result, make_prompts
 from . import venv
@@ -158,7 +159,7 @@ class VllmDemo:
         report.trace = TraceSummary.of(report.spans)
         for r in report.results:
             if r.ok and r.ttft:
-                r.kv = {"exposed_s": covered(report.spans, r.started, r.started + r.ttft)}
+                r.kv = KvTransfer(exposed_s=covered(report.spans, r.started, r.started + r.ttft))
         return report
 
     async def blocks_left(self, prefill: Server, decode: Server) -> dict[str, int]:
