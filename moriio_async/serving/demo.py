@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -296,7 +297,9 @@ class Demo:
             ok &= report.passed
         self.console.print(render_table(reports, a, self.model_config))
         if a.json is not None:
-            a.json.write_text(json.dumps({"passed": ok, "modes": [r.summary() for r in reports]}, indent=2))
+            a.json.write_text(
+                json.dumps({"passed": ok, "modes": msgspec.to_builtins([r.summary() for r in reports])}, indent=2)
+            )
         for report in reports:
             for line in report.problems:
                 self.console.print(f"[red]{report.mode.upper()}: {line}[/]")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import msgspec
 import uvicorn
 from rich.console import Console
 
@@ -240,7 +241,11 @@ class VllmDemo:
         if a.json is not None:
             a.json.write_text(
                 json.dumps(
-                    {"passed": all(r.passed for r in reports), "modes": [r.summary() for r in reports]}, indent=2
+                    {
+                        "passed": all(r.passed for r in reports),
+                        "modes": msgspec.to_builtins([r.summary() for r in reports]),
+                    },
+                    indent=2,
                 )
             )
         for report in reports:
