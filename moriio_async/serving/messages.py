@@ -19,6 +19,7 @@ from .kvpool import KVLayout
 __all__ = [
     "AbortRequest",
     "ControlMessage",
+    "EndpointInfo",
     "EngineRef",
     "ErrorBody",
     "GenerateRequest",
@@ -26,6 +27,7 @@ __all__ = [
     "KvTransfer",
     "PrefillRequest",
     "PrefillResponse",
+    "ProxyHealth",
     "Release",
     "RemoteBlocks",
     "TokenLine",
@@ -182,3 +184,25 @@ class InstanceHealth(msgspec.Struct):
     blocks: dict[str, int]
     requests_in_flight: int
     requests_served: int
+
+
+class EndpointInfo(msgspec.Struct, kw_only=True):
+    """One instance as the proxy's ``/health`` lists it (the instance's own figures None until it answered)."""
+
+    url: str
+    role: str
+    healthy: bool
+    reason: str
+    name: str | None
+    pid: int | None
+    incarnation: int | None
+    in_flight: int
+    served: int
+
+
+class ProxyHealth(msgspec.Struct, kw_only=True):
+    """The proxy's ``/health`` (503 until every role has a healthy instance)."""
+
+    ready: bool
+    mode: str
+    instances: list[EndpointInfo]

@@ -46,6 +46,7 @@ from .messages import (
     Mode,
     PrefillRequest,
     PrefillResponse,
+    ProxyHealth,
     TokenLine,
 )
 from .metrics import CONTENT_TYPE, ProxyMetrics
@@ -384,7 +385,7 @@ def create_proxy_app(settings: ProxySettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         fleet = holder[0].fleet
-        body = {"ready": fleet.ready(), "mode": settings.mode, "instances": [e.describe() for e in fleet.endpoints]}
+        body = ProxyHealth(ready=fleet.ready(), mode=settings.mode, instances=[e.describe() for e in fleet.endpoints])
         return json_response(body, 200 if fleet.ready() else 503)
 
     @app.get("/metrics")
