@@ -32,10 +32,17 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
+from moriio_async.backends.described import TcpFacts
 from tests.control.wire import hello
 from tests.engine.siege import Siege, open_files
 
 SECRET = "a-secret-for-the-siege-benchmark"
+
+
+def tcp_facts(engine: IOEngine) -> TcpFacts:
+    facts = engine.describe_backend()
+    assert isinstance(facts, TcpFacts), facts
+    return facts
 
 
 async def rounds(port: str, secret: str, crowd: int, n: int) -> list[float]:
@@ -44,7 +51,7 @@ async def rounds(port: str, secret: str, crowd: int, n: int) -> list[float]:
         b.register_memory(np.full(1 << 16, 7, np.uint8), name="kv")
         local = np.zeros(1 << 16, np.uint8)
         mine = a.register_memory(local, name="kv")
-        target = int(b.address.rpartition(":")[2] if port == "control" else b.describe_backend()["data_port"])
+        target = int(b.address.rpartition(":")[2]) if port == "control" else tcp_facts(b).data_port
         times = []
         with Siege(target, crowd) as siege:  # all opened on entry, held (reopened) from then on
             await asyncio.sleep(cfg.hello_timeout)
@@ -77,7 +84,7 @@ def token_guesses(port: int, seconds: float) -> int:
 async def guesses(seconds: float) -> None:
     cfg = IOEngineConfig(backend="tcp", secret=SECRET)
     async with IOEngine("b", cfg) as b:
-        port = int(b.describe_backend()["data_port"])
+        port = tcp_facts(b).data_port
         n = await asyncio.to_thread(token_guesses, port, seconds)
         print(f"  token guesses from one source: {n / seconds:.0f}/s ({n} in {seconds:g} s)")
         n = 0

@@ -42,13 +42,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from moriio_async import IOEngine, IOEngineConfig, Session, TcpOptions, Transfer
+from moriio_async.backends.described import TcpFacts
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.status import WcStatus
 
 BLOCK = 4096
+
+
+def tcp_facts(engine: IOEngine) -> TcpFacts:
+    facts = engine.describe_backend()
+    assert isinstance(facts, TcpFacts), facts
+    return facts
 
 
 def default_plan(pairs: int = 32) -> FaultPlan:
@@ -89,7 +97,7 @@ def _target(size: int, plan: str, secret: str, retry_timeout: float, pipe: Any) 
         buf = np.full(size, 2, dtype=np.uint8)  # touched now: RSS at start already holds it
         async with IOEngine("soak-target", cfg) as engine:
             engine.register_memory(buf, name="kv")
-            pipe.send({"address": engine.address, "data_port": engine.describe_backend()["data_port"]})
+            pipe.send({"address": engine.address, "data_port": tcp_facts(engine).data_port})
             done = asyncio.Event()
             loop = asyncio.get_running_loop()
 
@@ -102,7 +110,7 @@ def _target(size: int, plan: str, secret: str, retry_timeout: float, pipe: Any) 
             loop.remove_reader(pipe.fileno())
             stats = engine.statistics()
             pipe.send({"statistics": stats.figures(),
-                       "data_plane": engine.describe_backend().get("data_plane", {})})  # fmt: skip
+                       "data_plane": msgspec.structs.asdict(tcp_facts(engine).data_plane)})  # fmt: skip
 
     asyncio.run(main())
 

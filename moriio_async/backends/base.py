@@ -67,11 +67,12 @@ import enum
 import mmap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from ..errors import InvalidArgument, MoriioError
 from ..status import Access, Opcode
 from ..work import WorkBatch, WorkCompletion, WorkRequest
+from .described import BackendFacts
 
 __all__ = [
     "QP_MASK",
@@ -311,8 +312,8 @@ class Backend(abc.ABC):
         """A queue pair in INIT whose send completions go to ``cq``."""
 
     @abc.abstractmethod
-    def describe(self) -> dict[str, Any]:
-        """Facts for logs and ``doctor``: device, port, GID, limits."""
+    def describe(self) -> BackendFacts:
+        """Facts for logs and ``doctor``: device, port, GID, limits (a ``BackendFacts`` of this backend's kind)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..core.faultplan import FaultPlan
 from ..errors import InvalidArgument
@@ -65,7 +64,7 @@ class VerbsOptions:
     """Seconds a pair in error may take to flush its requests before they are declared flushed."""
     extended_qp: bool = True
     """Post through extended-QP send ops where the provider has them (False: the classic post_send)."""
-    fault_plan: FaultPlan | Mapping[str, Any] | str | bytes | None = None
+    fault_plan: FaultPlan | Mapping[str, object] | str | bytes | None = None
     """Fault injection at the initiator: a ``FaultPlan``, its dict or its JSON (kept as a ``FaultPlan``)."""
 
     def __post_init__(self) -> None:

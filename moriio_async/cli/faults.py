@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -28,17 +27,21 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
+from ..backends.described import VerbsFacts
 from ..backends.options import TcpOptions, VerbsOptions
 from ..backends.tcp.faults import PlanHooks
 from ..core.faultplan import FaultPlan
 from ..engine import IOEngine, IOEngineConfig
 from ..errors import MoriioError, TransferError
+from .fault_events import ChildEvent, Event, Faults, Ready, Summary, Target, TargetEnd, TransferLine, decode, encode
 
 __all__ = ["BatchResult", "add_arguments", "outcome_of", "pattern", "run", "run_batch", "tcp_config"]
 
@@ -98,8 +101,10 @@ class BatchResult:
     deadline_reached: bool
     applied: list[str] = field(default_factory=list)
 
-    def summary(self) -> dict[str, Any]:
-        return {"transfers": len(self.outcomes), "outcomes": dict(Counter(self.outcomes)), "elapsed": self.elapsed}
+    def summary(self, timeout: float) -> Summary:
+        """The batch's summary line, for a wait whose deadline was ``timeout`` seconds."""
+        counts = dict(Counter(self.outcomes))
+        return Summary(len(self.outcomes), counts, self.elapsed, timeout, self.deadline_reached)
 
 
 async def run_batch(
@@ -141,14 +146,14 @@ async def run_batch(
 
 def _config(args: argparse.Namespace, hooks: PlanHooks, plan: FaultPlan | None = None) -> IOEngineConfig:
     """TCP: the plan's hooks for this side; verbs: the whole plan (initiator) or nothing (target)."""
-    fields: dict[str, Any] = {"host": args.host, "retry_timeout": args.retry_timeout, "sq_depth": args.sq_depth}
+    common = IOEngineConfig(host=args.host, retry_timeout=args.retry_timeout, sq_depth=args.sq_depth)
     if args.backend == "tcp":
-        return tcp_config(hooks, **fields)
-    return IOEngineConfig(backend=args.backend, verbs=VerbsOptions(fault_plan=plan), **fields)
+        return replace(common, backend="tcp", tcp=TcpOptions(hooks=hooks))
+    return replace(common, backend=args.backend, verbs=VerbsOptions(fault_plan=plan))
 
 
-def _emit(data: dict[str, Any]) -> None:
-    print(json.dumps(data), flush=True)
+def _emit(event: Event) -> None:
+    print(encode(event), flush=True)
 
 
 async def _target(args: argparse.Namespace, plan: FaultPlan) -> int:
@@ -166,9 +171,9 @@ async def _target(args: argparse.Namespace, plan: FaultPlan) -> int:
     signal.signal(signal.SIGTERM, on_term)
     async with IOEngine("faults-target", _config(args, hooks)) as engine:
         engine.register_memory(pattern(args.transfers * args.size), name="kv")
-        _emit({"event": "ready", "address": engine.address, "pid": os.getpid()})
+        _emit(Ready(engine.address, os.getpid()))
         await stop.wait()
-    _emit({"event": "faults", "side": "target", "applied": [_applied(a) for a in hooks.applied]})
+    _emit(Faults("target", tuple(hooks.applied)))
     return 0
 
 
@@ -187,19 +192,14 @@ async def _initiator(args: argparse.Namespace, plan: FaultPlan) -> int:
         )
         hooks.release()  # a delayed completion holds a NIC thread that closing the engine joins
         for i, (outcome, listed, ok) in enumerate(zip(result.outcomes, result.listed, result.data_ok, strict=True)):
-            _emit({"event": "transfer", "index": i, "op": args.op, "bytes": args.size, "outcome": outcome,
-                   "listed": listed, "data_ok": ok})  # fmt: skip
+            _emit(TransferLine(i, args.op, args.size, outcome, listed, ok))
         # On verbs the backend applied the whole plan, and its description lists what fired.
-        verbs_applied = engine.describe_backend()["fault_plan"]["applied"] if verbs else None
-        applied = verbs_applied if verbs_applied is not None else [_applied(a) for a in hooks.applied]
-        _emit({"event": "faults", "side": "initiator", "applied": applied})
-        summary = result.summary()
-        _emit({"event": "summary", **summary, "timeout": args.timeout, "deadline_reached": result.deadline_reached})
+        facts = engine.describe_backend()
+        seam = facts.fault_plan if isinstance(facts, VerbsFacts) else None
+        applied = seam.applied if seam is not None else hooks.applied
+        _emit(Faults("initiator", tuple(applied)))
+        _emit(result.summary(args.timeout))
     return 0
-
-
-def _applied(a: Any) -> dict[str, Any]:
-    return {"action": a.action.value, "qp": a.qp, "wr": a.wr, "detail": a.detail}
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -213,10 +213,9 @@ def _child(args: argparse.Namespace, role: str, extra: list[str]) -> list[str]:
     return argv + (["--fail-fast"] if args.fail_fast else [])
 
 
-def _text(event: dict[str, Any], out: Out) -> None:
-    kind = event["event"]
-    if kind == "transfer":
-        outcome = event["outcome"]
+def _text(event: ChildEvent, out: Out) -> None:
+    if isinstance(event, TransferLine):
+        outcome = event.outcome
         shown = (
             "SUCCESS"
             if outcome == "SUCCESS"
@@ -224,17 +223,26 @@ def _text(event: dict[str, Any], out: Out) -> None:
             if outcome == "TIMEOUT"
             else f"FAILED {outcome}"
         )
-        data = {True: ", data verified", False: ", DATA WRONG"}.get(event["data_ok"], "")
-        out(f"transfer {event['index']:3d}  {event['op']} {event['bytes']}B  {shown}{data}")
-    elif kind == "faults":
-        for a in event["applied"]:
-            where = f"request {a['wr']} of queue pair {a['qp']}"
-            out(f"fault fired ({event['side']}): {a['action']} at {where} {a['detail']}".rstrip())
-    elif kind == "summary":
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(event["outcomes"].items()))
-        reached = "deadline reached" if event["deadline_reached"] else "before the deadline"
-        out(f"summary: {event['transfers']} transfers: {counts}; the wait ended after {event['elapsed']:.3f}s "
-            f"({reached}; timeout {event['timeout']:g}s)")  # fmt: skip
+        data = "" if event.data_ok is None else ", data verified" if event.data_ok else ", DATA WRONG"
+        out(f"transfer {event.index:3d}  {event.op} {event.bytes}B  {shown}{data}")
+    elif isinstance(event, Faults):
+        for a in event.applied:
+            where = f"request {a.wr} of queue pair {a.qp}"
+            out(f"fault fired ({event.side}): {a.action} at {where} {a.detail}".rstrip())
+    elif isinstance(event, Summary):
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(event.outcomes.items()))
+        reached = "deadline reached" if event.deadline_reached else "before the deadline"
+        out(f"summary: {event.transfers} transfers: {counts}; the wait ended after {event.elapsed:.3f}s "
+            f"({reached}; timeout {event.timeout:g}s)")  # fmt: skip
+
+
+def _ready(line: str) -> Ready | None:
+    """The target's first line, if it says it listens (nothing, or anything else: it did not start)."""
+    try:
+        event = decode(line)
+    except msgspec.MsgspecError:
+        return None
+    return event if isinstance(event, Ready) else None
 
 
 def run(args: argparse.Namespace, out: Out = print) -> int:
@@ -251,7 +259,7 @@ def run(args: argparse.Namespace, out: Out = print) -> int:
         return asyncio.run(_target(args, plan))
     if args.role == "initiator":
         return asyncio.run(_initiator(args, plan))
-    show: Out = (lambda line: out(line)) if args.json else (lambda line: _text(json.loads(line), out))
+    show: Out = (lambda line: out(line)) if args.json else (lambda line: _text(decode(line), out))
     if not args.json:
         out(f"fault plan {args.plan}" + (f": {plan.about}" if plan.about else ""))
         for rule in plan.rules:
@@ -260,17 +268,17 @@ def run(args: argparse.Namespace, out: Out = print) -> int:
     target = subprocess.Popen(_child(args, "target", []), stdout=subprocess.PIPE, text=True)
     try:
         assert target.stdout is not None
-        ready = json.loads(target.stdout.readline() or "{}")
-        if ready.get("event") != "ready":
+        ready = _ready(target.stdout.readline())
+        if ready is None:
             print("moriio-async faults: the target process did not start", file=sys.stderr)
             return 1
         if args.json:
-            out(json.dumps({**ready, "event": "target"}))
+            out(encode(Target(ready.address, ready.pid)))
         else:
-            out(f"target pid {ready['pid']} at {ready['address']}; initiator posts {args.transfers} {args.op}s "
+            out(f"target pid {ready.pid} at {ready.address}; initiator posts {args.transfers} {args.op}s "
                 f"of {args.size} B, waits {args.timeout:g}s")  # fmt: skip
         initiator = subprocess.run(
-            _child(args, "initiator", ["--connect", ready["address"]]),
+            _child(args, "initiator", ["--connect", ready.address]),
             stdout=subprocess.PIPE,
             text=True,
             timeout=args.timeout + 4 * args.retry_timeout + 60,
@@ -289,7 +297,7 @@ def run(args: argparse.Namespace, out: Out = print) -> int:
         show(line)
     status = "killed by SIGKILL (the plan)" if target.returncode == -signal.SIGKILL else f"exit {target.returncode}"
     if args.json:
-        out(json.dumps({"event": "target_end", "returncode": target.returncode}))
+        out(encode(TargetEnd(target.returncode)))
     else:
         out(f"target process: {status}; run took {time.monotonic() - started:.2f}s")
     return 0

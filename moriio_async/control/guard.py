@@ -19,7 +19,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..core.budget import FailureBudget, source_of
+from ..core.budget import GuessGuard
 from ..core.ratelog import RateLimitedLog
 
 __all__ = ["ControlCounters", "Guard"]
@@ -59,7 +59,7 @@ class ControlCounters:
     """Idle links (hello said, carrying nothing) closed at ``max_links`` to make room for a new connection."""
 
 
-class Guard:
+class Guard(GuessGuard):
     """Counters and rate-limited lines for what peers do wrong; one per engine."""
 
     def __init__(
@@ -70,9 +70,8 @@ class Guard:
         max_failures: int = 16,
         lockout: float = 30.0,
     ) -> None:
-        self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
+        super().__init__(logger, interval=interval, max_failures=max_failures, lockout=lockout)
         self._info = RateLimitedLog(logger, logging.INFO, interval=interval)
-        self._budget = FailureBudget(max_failures, lockout)
         self.evicted_hellos = 0
         self.evicted_idle_links = 0
         self.refused_links = 0
@@ -86,16 +85,11 @@ class Guard:
     @property
     def suppressed(self) -> int:
         """Lines held back by the rate limits so far."""
-        return self._warn.suppressed + self._info.suppressed
+        return self.warn.suppressed + self._info.suppressed
 
     def delayed(self, host: str) -> bool:
         """``host``'s source failed too many proofs lately: its new connection waits before it is heard."""
-        if not self._budget.locked(source_of(host)):
-            return False
-        self._warn.log(
-            f"delayed:{host}", "control listener: a connection from %s waits: too many failed proofs from there", host
-        )
-        return True
+        return self.waits(host, "control listener: a connection from %s waits: too many failed proofs from there")
 
     def evicted(self, count: int, *, idle: int = 0) -> None:
         """``count`` connections in their hello (and ``idle`` idle links) were closed to make room."""
@@ -108,7 +102,7 @@ class Guard:
 
     def refused_link(self, host: str, why: str) -> None:
         self.refused_links += 1
-        self._warn.log(f"accept:{host}", "control listener: refused a connection from %s: %s", host, why)
+        self.warn.log(f"accept:{host}", "control listener: refused a connection from %s: %s", host, why)
 
     def idle(self, address: str, seconds: float) -> None:
         self.idle_closed += 1
@@ -116,7 +110,7 @@ class Guard:
 
     def bad_frame(self, host: str, address: str, error: Exception) -> None:
         self.bad_frames += 1
-        self._warn.log(f"frame:{host}", "control link %s: %s; closing it", address, error)
+        self.warn.log(f"frame:{host}", "control link %s: %s; closing it", address, error)
 
     def rogue_hello(
         self, host: str, address: str, why: str, *, auth: bool = False, impersonation: bool = False
@@ -127,9 +121,9 @@ class Guard:
         self.auth_failures += auth
         self.impersonations += impersonation
         what = "impersonation attempt" if impersonation else "authentication failed" if auth else "hello refused"
-        if auth and self._budget.fail(source_of(host)):
+        if auth and self.charge(host):
             why = f"{why} (this source's connections now wait before they are heard: too many failed proofs)"
-        self._warn.log(f"hello:{host}", "control handshake from %s: %s: %s", address, what, why)
+        self.warn.log(f"hello:{host}", "control handshake from %s: %s: %s", address, what, why)
 
     def dropped_notice(self, host: str, address: str, what: str, why: str) -> None:
         self._info.log(f"notice:{host}", "control link %s: %s dropped: %s", address, what, why)
@@ -139,7 +133,7 @@ class Guard:
         self._access_errors[peer] = self._access_errors.pop(peer, 0) + 1
         if len(self._access_errors) > MAX_TRACKED_PEERS:
             self._access_errors.popitem(last=False)
-        self._warn.log(f"access:{peer}", "peer %r: remote access refused: %s", peer, detail)
+        self.warn.log(f"access:{peer}", "peer %r: remote access refused: %s", peer, detail)
 
     def snapshot(self) -> ControlCounters:
         return ControlCounters(
@@ -151,7 +145,7 @@ class Guard:
             self.impersonations,
             dict(self._access_errors),
             self.evicted_hellos,
-            self._budget.lockouts,
-            self._budget.delayed,
+            self.budget.lockouts,
+            self.budget.delayed,
             self.evicted_idle_links,
         )

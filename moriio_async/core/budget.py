@@ -22,13 +22,16 @@ threads and the event loop each hold one.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FailureBudget", "source_of"]
+from .ratelog import RateLimitedLog
+
+__all__ = ["FailureBudget", "GuessGuard", "source_of"]
 
 
 def source_of(host: str) -> str:
@@ -116,3 +119,24 @@ class FailureBudget:
             if victim is None:
                 victim = next(iter(self._sources))
             del self._sources[victim]
+
+
+class GuessGuard:
+    """What the control plane's guard and a TCP data port's share: WARNING lines rate-limited per key
+    (``warn``), and the ``budget`` of failed guesses whose sources' connections wait while over it."""
+
+    def __init__(self, logger: logging.Logger, *, interval: float, max_failures: int, lockout: float) -> None:
+        self.warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
+        self.budget = FailureBudget(max_failures, lockout)
+
+    def charge(self, host: str) -> bool:
+        """One failed guess from ``host``; True if its source is over its budget (just now, or already)."""
+        return self.budget.fail(source_of(host))
+
+    def waits(self, host: str, line: str) -> bool:
+        """Whether a new connection from ``host`` waits (its source is over its budget; counted): then
+        ``line`` (a format with one ``%s``, the host) is logged, rate-limited per host."""
+        if not self.budget.locked(source_of(host)):
+            return False
+        self.warn.log(f"delayed:{host}", line, host)
+        return True

@@ -38,16 +38,26 @@ what fired or to release stalls.
 from __future__ import annotations
 
 import enum
-import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Annotated, TypeVar, final
+
+import msgspec
 
 from ..errors import InvalidArgument
 from ..status import WcStatus
 
-__all__ = ["Action", "Applied", "FaultPlan", "FaultRule"]
+__all__ = [
+    "MAX_ABOUT",
+    "MAX_RULES",
+    "MAX_SECONDS",
+    "Action",
+    "Applied",
+    "FaultPlan",
+    "FaultRule",
+    "PlanJson",
+    "RuleJson",
+]
 
 
 class Action(enum.StrEnum):
@@ -63,27 +73,50 @@ class Action(enum.StrEnum):
         return self in (Action.STALL, Action.KILL)
 
 
-_RULE_KEYS = {"action", "qp", "wr", "seconds", "status"}
+MAX_RULES = 1024
+"""Rules a plan may hold (a plan read from JSON is bounded: a file cannot make one without end)."""
+MAX_ABOUT = 4096
+"""Characters of ``about`` a plan read from JSON may carry."""
+MAX_SECONDS = 86400.0
+"""The longest delay or stall a rule read from JSON may ask for (a day)."""
+_Index = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)] | None
 
 
-def _index(data: Mapping[str, Any], name: str) -> int | None:
-    value = data.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"fault rule field {name!r} must be null or an integer >= 0, not {value!r}")
-    return value
+_J = TypeVar("_J", bound=msgspec.Struct)
 
 
-def _status(value: object) -> WcStatus:
+class RuleJson(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A rule as JSON: ``seconds`` only for delay and stall, ``status`` (a name in any case, or its
+    number) only for status; ``qp`` and ``wr`` are null for every one."""
+
+    action: str
+    qp: _Index = None
+    wr: _Index = None
+    seconds: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] | msgspec.UnsetType = msgspec.UNSET
+    status: str | int | msgspec.UnsetType = msgspec.UNSET
+
+
+class PlanJson(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A plan as JSON: ``{"rules": [...], "about": "..."}`` (``about`` left out when empty)."""
+
+    rules: Annotated[list[RuleJson], msgspec.Meta(max_length=MAX_RULES)] = []
+    about: Annotated[str, msgspec.Meta(max_length=MAX_ABOUT)] | msgspec.UnsetType = msgspec.UNSET
+
+
+def _read(data: object, into: type[_J]) -> _J:
+    """``data`` (JSON's Python objects) checked as ``into``: a wrong shape or type, an unknown field or a
+    value out of bounds is an InvalidArgument saying where."""
     try:
-        if isinstance(value, str):
-            return WcStatus[value.upper()]
-        if isinstance(value, int) and not isinstance(value, bool):
-            return WcStatus(value)
+        return msgspec.convert(data, into)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(f"bad fault {'plan' if into is PlanJson else 'rule'}: {exc}") from None
+
+
+def _status(value: str | int) -> WcStatus:
+    try:
+        return WcStatus[value.upper()] if isinstance(value, str) else WcStatus(value)
     except (KeyError, ValueError):
-        pass
-    raise InvalidArgument(f"fault rule status {value!r} is not an ibv_wc_status name or number")
+        raise InvalidArgument(f"fault rule status {value!r} is not an ibv_wc_status name or number") from None
 
 
 @final
@@ -122,32 +155,25 @@ class FaultRule:
     def matches(self, qp: int, wr: int) -> bool:
         return (self.qp is None or self.qp == qp) and (self.wr is None or self.wr == wr)
 
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"action": self.action.value, "qp": self.qp, "wr": self.wr}
-        if self.action in (Action.DELAY, Action.STALL):
-            data["seconds"] = self.seconds
-        if self.action is Action.STATUS:
-            data["status"] = self.status.name
-        return data
+    def to_json(self) -> RuleJson:
+        timed = self.action in (Action.DELAY, Action.STALL)
+        status = self.status.name if self.action is Action.STATUS else msgspec.UNSET
+        return RuleJson(self.action.value, self.qp, self.wr, self.seconds if timed else msgspec.UNSET, status)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> FaultRule:
-        if not isinstance(data, Mapping):
-            raise InvalidArgument(f"a fault rule is a JSON object, not {data!r}")
-        unknown = set(data) - _RULE_KEYS
-        if unknown:
-            raise InvalidArgument(f"unknown fault rule field(s) {sorted(unknown)}; known: {sorted(_RULE_KEYS)}")
+    def from_json(cls, rule: RuleJson) -> FaultRule:
         try:
-            action = Action(str(data.get("action")))
+            action = Action(rule.action)
         except ValueError:
-            raise InvalidArgument(
-                f"fault action {data.get('action')!r} is not one of {[a.value for a in Action]}"
-            ) from None
-        seconds = data.get("seconds", 0.0)
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-            raise InvalidArgument(f"fault rule seconds must be a number, not {seconds!r}")
-        status = _status(data["status"]) if "status" in data else WcStatus.REM_ACCESS_ERR
-        return cls(action, _index(data, "qp"), _index(data, "wr"), float(seconds), status)
+            raise InvalidArgument(f"fault action {rule.action!r} is not one of {[a.value for a in Action]}") from None
+        seconds = 0.0 if rule.seconds is msgspec.UNSET else float(rule.seconds)
+        status = WcStatus.REM_ACCESS_ERR if rule.status is msgspec.UNSET else _status(rule.status)
+        return cls(action, rule.qp, rule.wr, seconds, status)
+
+    @classmethod
+    def from_dict(cls, data: object) -> FaultRule:
+        """A rule from JSON's Python objects (a dict), checked (``RuleJson``)."""
+        return cls.from_json(_read(data, RuleJson))
 
 
 @final
@@ -170,34 +196,33 @@ class FaultPlan:
         """The rules one side applies (stall and kill at the target, the rest at the initiator)."""
         return FaultPlan(tuple(r for r in self.rules if r.action.at_target == target), self.about)
 
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"rules": [r.to_dict() for r in self.rules]}
-        if self.about:
-            data["about"] = self.about
-        return data
+    def to_json(self) -> PlanJson:
+        return PlanJson([r.to_json() for r in self.rules], self.about or msgspec.UNSET)
 
     def dumps(self) -> str:
-        return json.dumps(self.to_dict(), indent=2) + "\n"
+        """The plan as JSON, indented for people, with one trailing newline."""
+        return msgspec.json.format(msgspec.json.encode(self.to_json()), indent=2).decode() + "\n"
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> FaultPlan:
-        if not isinstance(data, Mapping) or not isinstance(data.get("rules", []), list):
-            raise InvalidArgument('a fault plan is a JSON object {"rules": [...], "about": "..."}')
-        unknown = set(data) - {"rules", "about"}
-        if unknown:
-            raise InvalidArgument(f"unknown fault plan field(s) {sorted(unknown)}")
-        about = data.get("about", "")
-        if not isinstance(about, str):
-            raise InvalidArgument("fault plan 'about' must be a string")
-        return cls(tuple(FaultRule.from_dict(r) for r in data.get("rules", [])), about)
+    def from_json(cls, plan: PlanJson) -> FaultPlan:
+        about = "" if plan.about is msgspec.UNSET else plan.about
+        return cls(tuple(FaultRule.from_json(r) for r in plan.rules), about)
+
+    @classmethod
+    def from_dict(cls, data: object) -> FaultPlan:
+        """A plan from JSON's Python objects (a dict), checked (``PlanJson``)."""
+        return cls.from_json(_read(data, PlanJson))
 
     @classmethod
     def loads(cls, text: str | bytes) -> FaultPlan:
+        """A plan from its JSON text, checked (``PlanJson``)."""
         try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
+            plan = _PLAN_DECODER.decode(text)
+        except msgspec.ValidationError as exc:
+            raise InvalidArgument(f"bad fault plan: {exc}") from None
+        except msgspec.DecodeError as exc:
             raise InvalidArgument(f"a fault plan must be JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_json(plan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,3 +233,6 @@ class Applied:
     qp: int
     wr: int
     detail: str = ""
+
+
+_PLAN_DECODER = msgspec.json.Decoder(PlanJson)

@@ -20,11 +20,12 @@ import logging
 import mmap
 import threading
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, final
+from typing import final
 
 from ..aio.transfer import Transfer
 from ..aio.wait import waiting_for_transfer_complete
 from ..backends.base import Backend
+from ..backends.described import BackendFacts
 from ..control.book import PeerInfo
 from ..control.guard import Guard
 from ..control.handshake import Handshake
@@ -208,7 +209,8 @@ class IOEngine:
         """This engine as peers see it (``pack()`` it for MoRI-IO's explicit style)."""
         return self._require_open().peers.local
 
-    def describe_backend(self) -> dict[str, Any]:
+    def describe_backend(self) -> BackendFacts:
+        """The preferred backend's facts (``TcpFacts``, ``CmaFacts``, ... from ``moriio_async.backends.described``)."""
         return self._require_open().backend.describe()
 
     # -- memory ----------------------------------------------------------------------------------

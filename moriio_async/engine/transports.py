@@ -25,8 +25,11 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from ..backends import open_backend
 from ..backends.base import TAG_SHIFT, Backend, CompletionQueue, QueuePair
+from ..backends.described import TcpFacts
 from ..descriptors import TransportDesc
 from ..errors import BackendUnavailable
 from .config import IOEngineConfig
@@ -123,10 +126,10 @@ class Transports:
         messages, refused connections, aborted requests), summed over the transports that count it."""
         total: dict[str, int] = {}
         for t in self._list:
-            counters = t.backend.describe().get("data_plane")
-            if isinstance(counters, dict):
-                for name, n in counters.items():
-                    total[name] = total.get(name, 0) + int(n)
+            facts = t.backend.describe()
+            if isinstance(facts, TcpFacts):
+                for name, n in msgspec.structs.asdict(facts.data_plane).items():
+                    total[name] = total.get(name, 0) + n
         return total
 
     def create_qp(self, transport: Transport) -> QueuePair:

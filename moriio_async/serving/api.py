@@ -9,13 +9,28 @@ refused with a 400 naming it rather than ignored. Errors have OpenAI's shape,
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["ApiError", "CompletionRequest", "chunk", "completion", "error_response", "model_card", "parse_request"]
+from .messages import KvTransfer
+
+__all__ = [
+    "ApiError",
+    "Choice",
+    "Completion",
+    "CompletionRequest",
+    "ErrorAnswer",
+    "ErrorDetail",
+    "ModelCard",
+    "Usage",
+    "chunk",
+    "completion",
+    "error_response",
+    "model_card",
+    "parse_request",
+]
 
 
 class ApiError(Exception):
@@ -33,8 +48,21 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type, param, code
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorAnswer:
+        return ErrorAnswer(ErrorDetail(str(self), self.type, self.param, self.code))
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorAnswer(msgspec.Struct):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
 
 
 def error_response(exc: ApiError) -> Response:
@@ -113,33 +141,74 @@ def parse_request(body: bytes) -> CompletionRequest:
     return req
 
 
-def model_card(name: str, max_model_len: int, created: int) -> dict[str, Any]:
-    return {
-        "id": name,
-        "object": "model",
-        "created": created,
-        "owned_by": "moriio_async",
-        "max_model_len": max_model_len,
-    }
+class ModelCard(msgspec.Struct, kw_only=True):
+    """One entry of ``/v1/models``."""
+
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "moriio_async"
+    max_model_len: int
 
 
-def chunk(cid: str, model: str, created: int, text: str, finish_reason: str | None, **extra: Any) -> dict[str, Any]:
+class Choice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> Usage:
+        return cls(prompt, completion, prompt + completion)
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A completion (``object`` "text_completion"), whole or one streamed chunk of it: a chunk has no
+    ``usage`` (but the last, when asked for) and the chunk that finishes carries ``kv_transfer``."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
+    kv_transfer: KvTransfer | msgspec.UnsetType = msgspec.UNSET
+    """What moving the KV cost (not in OpenAI's protocol: clients see it as an extra field)."""
+
+
+def model_card(name: str, max_model_len: int, created: int) -> ModelCard:
+    return ModelCard(id=name, created=created, max_model_len=max_model_len)
+
+
+def chunk(
+    cid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    *,
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET,
+    kv_transfer: KvTransfer | msgspec.UnsetType = msgspec.UNSET,
+) -> Completion:
     """One server-sent event of a streamed completion."""
-    choices = (
-        [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if text or finish_reason else []
-    )
-    return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices, **extra}
+    choices = [Choice(text=text, finish_reason=finish_reason)] if text or finish_reason else []
+    return Completion(id=cid, created=created, model=model, choices=choices, usage=usage, kv_transfer=kv_transfer)
 
 
 def completion(
-    cid: str, model: str, text: str, finish_reason: str, usage: dict[str, int], **extra: Any
-) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage,
-        **extra,
-    }
+    cid: str, model: str, text: str, finish_reason: str, usage: Usage, kv_transfer: KvTransfer
+) -> Completion:
+    return Completion(
+        id=cid,
+        created=int(time.time()),
+        model=model,
+        choices=[Choice(text=text, finish_reason=finish_reason)],
+        usage=usage,
+        kv_transfer=kv_transfer,
+    )

@@ -36,7 +36,6 @@ from .config import InstanceSettings
 from .instance import Instance, PeerUnavailable, ServingError, check_prompt
 from .kvpool import PoolExhausted, transfer_segments
 from .messages import (
-    AbortRequest,
     GenerateRequest,
     Release,
     RemoteBlocks,
@@ -45,7 +44,7 @@ from .messages import (
     WriteDone,
     WriteFailed,
 )
-from .web import instance_app, json_response, read_json
+from .web import instance_app, read_json
 
 __all__ = ["DecodeServer", "Generation", "create_decode_app"]
 
@@ -256,11 +255,5 @@ def create_decode_app(settings: InstanceSettings) -> FastAPI:
         return StreamingResponse(
             gen.lines(), media_type="application/x-ndjson", headers=headers, background=BackgroundTask(gen.close)
         )
-
-    @app.post("/abort")
-    async def abort(request: Request) -> Response:
-        srv = server()
-        srv.abort((await read_json(request, AbortRequest)).request_id)
-        return json_response({"ok": True})
 
     return app

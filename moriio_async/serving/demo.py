@@ -28,15 +28,18 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .config import add_model_args, add_timeout_args, model_config
 from .launcher import SECRET_ENV, Child, Launcher, cancel_on_signals, group_alive
+from .messages import EndpointInfo, InstanceHealth, ProxyHealth
 from .model import Model, decode_text, encode
 from .report import KillReport, ModeReport, render_table
 from .vllm.args import add_vllm_args
@@ -134,23 +137,25 @@ class Demo:
         await self.wait_fleet(proxy, lambda e: True)
         return proxy
 
-    async def wait_fleet(self, proxy: Child, want: Any, timeout: float = 30.0) -> dict[str, Any]:
+    async def wait_fleet(
+        self, proxy: Child, want: Callable[[EndpointInfo], bool], timeout: float = 30.0
+    ) -> ProxyHealth:
         """The proxy's /health once every instance is healthy and ``want(instance)`` holds for all."""
         deadline = time.monotonic() + timeout
         while True:
-            with contextlib.suppress(httpx.HTTPError):
-                body: dict[str, Any] = (await self.client.get(f"{proxy.url}/health")).json()
-                if all(e["healthy"] and want(e) for e in body["instances"]):
+            with contextlib.suppress(httpx.HTTPError, msgspec.DecodeError):
+                body = msgspec.json.decode((await self.client.get(f"{proxy.url}/health")).content, type=ProxyHealth)
+                if all(e.healthy and want(e) for e in body.instances):
                     return body
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the fleet did not become healthy in {timeout:g}s")
             await asyncio.sleep(0.05)
 
-    async def health(self, child: Child) -> dict[str, Any] | None:
+    async def health(self, child: Child) -> InstanceHealth | None:
         try:
-            body: dict[str, Any] = (await self.client.get(f"{child.url}/health", timeout=2.0)).json()
-            return body
-        except (httpx.HTTPError, ValueError):
+            resp = await self.client.get(f"{child.url}/health", timeout=2.0)
+            return msgspec.json.decode(resp.content, type=InstanceHealth)
+        except (httpx.HTTPError, msgspec.DecodeError):
             return None
 
     async def blocks_in_use(self) -> dict[str, int]:
@@ -160,7 +165,7 @@ class Demo:
             used: dict[str, int] = {}
             for c in self.prefills + self.decodes:
                 h = await self.health(c)
-                used[c.name] = -1 if h is None else h["blocks"]["allocated"] + h["blocks"]["in_flight"]
+                used[c.name] = -1 if h is None else h.blocks["allocated"] + h.blocks["in_flight"]
             if not any(used.values()) or time.monotonic() > deadline:
                 return used
             await asyncio.sleep(0.05)
@@ -214,7 +219,7 @@ class Demo:
         for c in self.prefills + self.decodes:
             h = await self.health(c)
             if h is not None:
-                report.transports.add(h["backend"])
+                report.transports.add(h.backend)
         await self.launcher.stop(proxy)
         return report
 
@@ -225,8 +230,8 @@ class Demo:
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline and not load.done():
             h = await self.health(victim)
-            if h is not None and h["blocks"]["in_flight"] > 0:
-                kill.in_flight_blocks = h["blocks"]["in_flight"]
+            if h is not None and h.blocks["in_flight"] > 0:
+                kill.in_flight_blocks = h.blocks["in_flight"]
                 break
             await asyncio.sleep(0.001)
         else:
@@ -243,15 +248,15 @@ class Demo:
         assert report.kill is not None
         victim = self.prefills[0]
         fresh = await self.health(victim)
-        incarnation = fresh["engine"]["incarnation"] if fresh else None
-        await self.wait_fleet(proxy, lambda e: e["url"] != victim.url or e["incarnation"] == incarnation)
+        incarnation = fresh.engine.incarnation if fresh else None
+        await self.wait_fleet(proxy, lambda e: e.url != victim.url or e.incarnation == incarnation)
         n = 2 * len(self.prefills) + 2
         wave = await run_load(
             self.client, proxy.url, self.model_config.name, prompts[:n], self.args.max_tokens, 1, 60.0
         )
         report.results += wave
         h = await self.health(victim)
-        report.kill.served_after_restart = h["requests_served"] if h else 0
+        report.kill.served_after_restart = h.requests_served if h else 0
 
     # -- the whole run -------------------------------------------------------------------------------
 
@@ -296,7 +301,9 @@ class Demo:
             ok &= report.passed
         self.console.print(render_table(reports, a, self.model_config))
         if a.json is not None:
-            a.json.write_text(json.dumps({"passed": ok, "modes": [r.summary() for r in reports]}, indent=2))
+            a.json.write_text(
+                json.dumps({"passed": ok, "modes": msgspec.to_builtins([r.summary() for r in reports])}, indent=2)
+            )
         for report in reports:
             for line in report.problems:
                 self.console.print(f"[red]{report.mode.upper()}: {line}[/]")

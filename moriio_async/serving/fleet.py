@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
-from .messages import InstanceHealth
+from .messages import EndpointInfo, InstanceHealth
 
 __all__ = ["Endpoint", "Fleet"]
 
@@ -40,19 +40,19 @@ class Endpoint:
     """Requests this proxy has outstanding on the instance (the load it balances on)."""
     served: int = 0
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> EndpointInfo:
         h = self.health
-        return {
-            "url": self.url,
-            "role": self.role,
-            "healthy": self.healthy,
-            "reason": self.reason,
-            "name": h.name if h else None,
-            "pid": h.pid if h else None,
-            "incarnation": h.engine.incarnation if h else None,
-            "in_flight": self.in_flight,
-            "served": self.served,
-        }
+        return EndpointInfo(
+            url=self.url,
+            role=self.role,
+            healthy=self.healthy,
+            reason=self.reason,
+            name=h.name if h else None,
+            pid=h.pid if h else None,
+            incarnation=h.engine.incarnation if h else None,
+            in_flight=self.in_flight,
+            served=self.served,
+        )
 
 
 class Fleet:

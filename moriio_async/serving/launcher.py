@@ -27,7 +27,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SECRET_ENV", "Child", "Launcher", "StartFailed", "cancel_on_signals", "group_alive"]
+__all__ = [
+    "SECRET_ENV",
+    "Child",
+    "Launcher",
+    "StartFailed",
+    "cancel_on_signals",
+    "group_alive",
+    "kill_group",
+    "signal_group",
+    "stop_group",
+]
 
 SECRET_ENV = "MORIIO_ASYNC_SECRET"
 """The variable every ``IOEngine`` reads its shared secret from (serving uses only the public API, which
@@ -102,7 +112,7 @@ class Launcher:
         except (TimeoutError, ValueError):
             info = None
         if not info:
-            await self._signal(child, signal.SIGKILL)
+            signal_group(child.proc, signal.SIGKILL)
             raise StartFailed(f"{child.name} did not start; its log:\n{self.tail(child)}")
         child.url, child.port = info["url"], int(info["url"].rsplit(":", 1)[1])
         with child.log.open("ab") as log:
@@ -114,18 +124,9 @@ class Launcher:
         except OSError:
             return "(no log)"
 
-    async def _signal(self, child: Child, sig: signal.Signals) -> None:
-        proc = child.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-
     async def kill(self, child: Child) -> None:
         """SIGKILL the child's process group now (failure injection) and reap it."""
-        await self._signal(child, signal.SIGKILL)
-        if child.proc is not None:
-            await child.proc.wait()
+        await kill_group(child.proc)
 
     async def restart(self, child: Child) -> None:
         """The same command on the same port: a new process, a new engine incarnation."""
@@ -134,23 +135,11 @@ class Launcher:
         await self._start(child)
 
     async def stop(self, child: Child, grace: float = 5.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``grace`` seconds; returns the exit status."""
-        proc = child.proc
-        if proc is None:
-            return None
-        if proc.returncode is None:
-            await self._signal(child, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), grace)
-            except TimeoutError:
-                await self._signal(child, signal.SIGKILL)
-                await proc.wait()
-        # The process group may hold stragglers (none expected): make sure they go too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if proc.stdin is not None:
-            proc.stdin.close()
-        return proc.returncode
+        """SIGTERM, then SIGKILL after ``grace`` seconds; returns the exit status (``stop_group``)."""
+        code = await stop_group(child.proc, grace)
+        if child.proc is not None and child.proc.stdin is not None:
+            child.proc.stdin.close()
+        return code
 
     async def close(self) -> dict[str, int | None]:
         """Stop every child (proxies first); their exit statuses by name."""
@@ -160,6 +149,40 @@ class Launcher:
             codes = await asyncio.gather(*(self.stop(c) for c in group))
             statuses.update({c.name: code for c, code in zip(group, codes, strict=True)})
         return statuses
+
+
+def signal_group(proc: asyncio.subprocess.Process | None, sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (started with ``start_new_session``), if it still runs."""
+    if proc is None or proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+async def kill_group(proc: asyncio.subprocess.Process | None) -> None:
+    """SIGKILL ``proc``'s process group now (failure injection) and reap ``proc``."""
+    signal_group(proc, signal.SIGKILL)
+    if proc is not None:
+        await proc.wait()
+
+
+async def stop_group(proc: asyncio.subprocess.Process | None, grace: float) -> int | None:
+    """SIGCONT (a stopped process cannot handle SIGTERM) and SIGTERM to ``proc``'s process group, SIGKILL
+    after ``grace`` seconds; then SIGKILL whatever of the group is left (stragglers: an engine core, workers).
+    ``proc``'s exit status (None: it never started)."""
+    if proc is None:
+        return None
+    if proc.returncode is None:
+        signal_group(proc, signal.SIGCONT)
+        signal_group(proc, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            signal_group(proc, signal.SIGKILL)
+            await proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode
 
 
 def group_alive(pgid: int) -> bool:

@@ -19,12 +19,15 @@ from .kvpool import KVLayout
 __all__ = [
     "AbortRequest",
     "ControlMessage",
+    "EndpointInfo",
     "EngineRef",
     "ErrorBody",
     "GenerateRequest",
     "InstanceHealth",
+    "KvTransfer",
     "PrefillRequest",
     "PrefillResponse",
+    "ProxyHealth",
     "Release",
     "RemoteBlocks",
     "TokenLine",
@@ -44,6 +47,23 @@ class EngineRef(msgspec.Struct, frozen=True):
     key: str
     address: str
     incarnation: int
+
+
+class KvTransfer(msgspec.Struct, kw_only=True):
+    """A completion's ``kv_transfer`` (the proxy adds it to the response): the attempts it took, the mode
+    and instances of the one that served it, and what moving its KV cost (``TransferStats``, from the
+    decode instance's ``x-kv-*`` headers). Mutable: the proxy fills it in as the request ends."""
+
+    attempts: int = 1
+    mode: str = ""
+    prefill: str = ""
+    decode: str = ""
+    bytes: int = 0
+    transfer_s: float = 0.0
+    exposed_s: float | None = None
+    """None until known: WRITE takes the prefill instance's (until write_done left), READ the decode's."""
+    prefill_compute_s: float = 0.0
+    """The prefill instance's compute time."""
 
 
 class TransferStats(msgspec.Struct):
@@ -164,3 +184,25 @@ class InstanceHealth(msgspec.Struct):
     blocks: dict[str, int]
     requests_in_flight: int
     requests_served: int
+
+
+class EndpointInfo(msgspec.Struct, kw_only=True):
+    """One instance as the proxy's ``/health`` lists it (the instance's own figures None until it answered)."""
+
+    url: str
+    role: str
+    healthy: bool
+    reason: str
+    name: str | None
+    pid: int | None
+    incarnation: int | None
+    in_flight: int
+    served: int
+
+
+class ProxyHealth(msgspec.Struct, kw_only=True):
+    """The proxy's ``/health`` (503 until every role has a healthy instance)."""
+
+    ready: bool
+    mode: str
+    instances: list[EndpointInfo]

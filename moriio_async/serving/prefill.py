@@ -29,7 +29,6 @@ from .config import InstanceSettings
 from .instance import Instance, PeerUnavailable, ServingError, check_prompt
 from .kvpool import PoolExhausted, transfer_segments
 from .messages import (
-    AbortRequest,
     PrefillRequest,
     PrefillResponse,
     Release,
@@ -245,11 +244,5 @@ def create_prefill_app(settings: InstanceSettings) -> FastAPI:
         srv = server()
         req = await read_json(request, PrefillRequest)
         return json_response(await srv.prefill(req))
-
-    @app.post("/abort")
-    async def abort(request: Request) -> Response:
-        srv = server()
-        srv.abort((await read_json(request, AbortRequest)).request_id)
-        return json_response({"ok": True})
 
     return app

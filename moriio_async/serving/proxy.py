@@ -27,7 +27,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import msgspec
@@ -36,16 +35,18 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from .api import ApiError, CompletionRequest, chunk, completion, error_response, model_card, parse_request
+from .api import ApiError, CompletionRequest, Usage, chunk, completion, error_response, model_card, parse_request
 from .fleet import Endpoint, Fleet
 from .instance import ServingError
 from .messages import (
     AbortRequest,
     ErrorBody,
     GenerateRequest,
+    KvTransfer,
     Mode,
     PrefillRequest,
     PrefillResponse,
+    ProxyHealth,
     TokenLine,
 )
 from .metrics import CONTENT_TYPE, ProxyMetrics
@@ -88,7 +89,7 @@ class _Attempt:
     prefill: Endpoint
     decode: Endpoint
     stream: httpx.Response
-    kv: dict[str, Any] = field(default_factory=dict)
+    kv: KvTransfer = field(default_factory=KvTransfer)
     ended: bool = False
 
 
@@ -118,19 +119,27 @@ class Proxy:
         blame = other if err.cause == other.role else leg
         return LegError(f"{leg.role} {leg.url}: {err.error}", blame, retryable=err.retryable)
 
+    async def _post(
+        self, leg: str, to: Endpoint, other: Endpoint, body: PrefillRequest | GenerateRequest
+    ) -> httpx.Response:
+        """POST ``body`` to ``to``'s ``/{leg}``, streamed: a transport error is ``to`` down, another status
+        than 200 the error its body names (``_failed``, which may blame ``other``)."""
+        try:
+            resp = await self.client.send(
+                self.client.build_request(
+                    "POST", f"{to.url}/{leg}", content=msgspec.json.encode(body), timeout=self._timeout()
+                ),
+                stream=True,
+            )
+        except httpx.TransportError as exc:
+            raise LegError(f"{to.role} {to.url}: {type(exc).__name__}: {exc}", to, down=True) from exc
+        if resp.status_code != 200:
+            raise await self._failed(resp, to, other)
+        return resp
+
     async def _prefill(self, p: Endpoint, d: Endpoint, req: PrefillRequest) -> PrefillResponse:
         with self.fleet.using(p):
-            try:
-                resp = await self.client.send(
-                    self.client.build_request(
-                        "POST", f"{p.url}/prefill", content=msgspec.json.encode(req), timeout=self._timeout()
-                    ),
-                    stream=True,
-                )
-            except httpx.TransportError as exc:
-                raise LegError(f"prefill {p.url}: {type(exc).__name__}: {exc}", p, down=True) from exc
-            if resp.status_code != 200:
-                raise await self._failed(resp, p, d)
+            resp = await self._post("prefill", p, d, req)
             try:
                 return msgspec.json.decode(await resp.aread(), type=PrefillResponse)
             except (httpx.TransportError, msgspec.DecodeError) as exc:
@@ -139,18 +148,7 @@ class Proxy:
                 await resp.aclose()
 
     async def _generate(self, p: Endpoint, d: Endpoint, req: GenerateRequest) -> httpx.Response:
-        try:
-            resp = await self.client.send(
-                self.client.build_request(
-                    "POST", f"{d.url}/generate", content=msgspec.json.encode(req), timeout=self._timeout()
-                ),
-                stream=True,
-            )
-        except httpx.TransportError as exc:
-            raise LegError(f"decode {d.url}: {type(exc).__name__}: {exc}", d, down=True) from exc
-        if resp.status_code != 200:
-            raise await self._failed(resp, d, p)
-        return resp
+        return await self._post("generate", d, p, req)
 
     async def _abort(self, ep: Endpoint, request_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
@@ -170,7 +168,7 @@ class Proxy:
             except LegError:
                 await self._abort(p, rid)  # decode may never have taken the lent blocks
                 raise
-            return _Attempt(p, d, stream, {"prefill_compute_s": pr.stats.compute_s})
+            return _Attempt(p, d, stream, KvTransfer(prefill_compute_s=pr.stats.compute_s))
         gen = GenerateRequest(rid, tokens, max_tokens, "write", p.health.engine)
         d_leg = asyncio.create_task(self._generate(p, d, gen))
         p_leg = asyncio.create_task(self._prefill(p, d, PrefillRequest(rid, tokens, "write")))
@@ -192,7 +190,7 @@ class Proxy:
         if errors:
             raise errors[0]
         stats = p_leg.result().stats  # prefill's view: exposed_s runs until write_done left
-        return _Attempt(p, d, d_leg.result(), {"prefill_compute_s": stats.compute_s, "exposed_s": stats.exposed_s})
+        return _Attempt(p, d, d_leg.result(), KvTransfer(prefill_compute_s=stats.compute_s, exposed_s=stats.exposed_s))
 
     async def open(self, tokens: list[int], max_tokens: int, cid: str) -> _Attempt:
         """An open decode stream for the request, retried over instances; ``ApiError(503)`` when none can."""
@@ -221,7 +219,7 @@ class Proxy:
             except BaseException:
                 d.in_flight -= 1
                 raise
-            result.kv["attempts"] = attempt + 1
+            result.kv.attempts = attempt + 1
             return result
         raise ApiError(
             503,
@@ -263,11 +261,13 @@ class Proxy:
         att.decode.in_flight -= 1
         att.decode.served += 1
         h = att.stream.headers
-        att.kv.update(mode=self.settings.mode, prefill=att.prefill.url, decode=att.decode.url)
-        att.kv.setdefault("bytes", int(h.get("x-kv-bytes", 0)))
-        att.kv.setdefault("transfer_s", float(h.get("x-kv-transfer-s", 0)))
-        att.kv.setdefault("exposed_s", float(h.get("x-kv-exposed-s", 0)))
-        self.metrics.kv_transfer.observe(att.kv["exposed_s"])
+        kv = att.kv
+        kv.mode, kv.prefill, kv.decode = self.settings.mode, att.prefill.url, att.decode.url
+        kv.bytes = int(h.get("x-kv-bytes", 0))
+        kv.transfer_s = float(h.get("x-kv-transfer-s", 0))
+        if kv.exposed_s is None:  # READ: the decode instance's; WRITE set the prefill's at the attempt
+            kv.exposed_s = float(h.get("x-kv-exposed-s", 0))
+        self.metrics.kv_transfer.observe(kv.exposed_s)
 
     async def complete(self, req: CompletionRequest) -> Response:
         tokens, max_tokens = self.check(req)
@@ -299,8 +299,8 @@ class Proxy:
             await self.finish(att)
         if reason == "error":
             raise ApiError(502, f"decode {att.decode.url} failed mid-stream", type="server_error")
-        usage = {"prompt_tokens": len(tokens), "completion_tokens": len(out), "total_tokens": len(tokens) + len(out)}
-        return json_response(completion(cid, model, decode_text(out), reason, usage, kv_transfer=att.kv))
+        usage = Usage.of(len(tokens), len(out))
+        return json_response(completion(cid, model, decode_text(out), reason, usage, att.kv))
 
     async def _sse(
         self, att: _Attempt, cid: str, model: str, n_prompt: int, started: float, include_usage: bool
@@ -319,7 +319,7 @@ class Proxy:
                     last = chunk(cid, model, created, "", line.finish_reason, kv_transfer=att.kv)
                     yield b"data: " + enc.encode(last) + b"\n\n"
                     if include_usage:
-                        usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+                        usage = Usage.of(n_prompt, n)
                         yield b"data: " + enc.encode(chunk(cid, model, created, "", None, usage=usage)) + b"\n\n"
                     yield b"data: [DONE]\n\n"
                     return
@@ -385,7 +385,7 @@ def create_proxy_app(settings: ProxySettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         fleet = holder[0].fleet
-        body = {"ready": fleet.ready(), "mode": settings.mode, "instances": [e.describe() for e in fleet.endpoints]}
+        body = ProxyHealth(ready=fleet.ready(), mode=settings.mode, instances=[e.describe() for e in fleet.endpoints])
         return json_response(body, 200 if fleet.ready() else 503)
 
     @app.get("/metrics")

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
+import msgspec
 from rich.table import Table
 
 from .model import ModelConfig
 from .workload import Result, percentile
 
-__all__ = ["ModeReport", "render_table", "table_of"]
+__all__ = ["ModeReport", "ModeSummary", "render_table", "table_of"]
 
 
 @dataclass
@@ -22,6 +21,29 @@ class KillReport:
     restarted_after: float = 0.0
     served_after_restart: int = 0
     notes: list[str] = field(default_factory=list)
+
+
+class ModeSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One mode's verdict as the demo's ``--json`` report writes it."""
+
+    mode: str
+    passed: bool
+    requests: int
+    ok: int
+    identical: int
+    mismatched: int
+    unavailable: int
+    failed: int
+    hung: int
+    retried: int
+    """Requests that took more than one attempt."""
+    max_latency_s: float
+    leaks: dict[str, int]
+    """Blocks still in use per instance after the run."""
+    kill: KillReport | None
+    errors: list[str]
+    figures: dict[str, str]
+    problems: list[str]
 
 
 @dataclass
@@ -71,27 +93,27 @@ class ModeReport:
         if self.kill is not None and self.kill.served_after_restart < 1:
             self.problems.append("the restarted prefill-0 served no request")
 
-    def summary(self) -> dict[str, Any]:
-        """Counts, figures and problems as plain data (``demo --json``)."""
+    def summary(self) -> ModeSummary:
+        """Counts, figures and problems (``demo --json``: ``msgspec.to_builtins`` of it)."""
         ok = self.ok_results()
-        return {
-            "mode": self.mode,
-            "passed": self.passed,
-            "requests": len(self.results),
-            "ok": len(ok),
-            "identical": self.identical,
-            "mismatched": self.mismatched,
-            "unavailable": self.unavailable,
-            "failed": self.failed,
-            "hung": self.hung,
-            "retried": sum(1 for r in ok if int(r.kv.get("attempts", 1)) > 1),
-            "max_latency_s": max((r.latency for r in self.results), default=0.0),
-            "leaks": self.leaks,
-            "kill": dataclasses.asdict(self.kill) if self.kill is not None else None,
-            "errors": sorted({f"{r.status}: {r.error[:200]}" for r in self.results if not r.ok}),
-            "figures": self.figures(),
-            "problems": self.problems,
-        }
+        return ModeSummary(
+            mode=self.mode,
+            passed=self.passed,
+            requests=len(self.results),
+            ok=len(ok),
+            identical=self.identical,
+            mismatched=self.mismatched,
+            unavailable=self.unavailable,
+            failed=self.failed,
+            hung=self.hung,
+            retried=sum(1 for r in ok if r.kv.attempts > 1),
+            max_latency_s=max((r.latency for r in self.results), default=0.0),
+            leaks=self.leaks,
+            kill=self.kill,
+            errors=sorted({f"{r.status}: {r.error[:200]}" for r in self.results if not r.ok}),
+            figures=self.figures(),
+            problems=self.problems,
+        )
 
     # -- figures ---------------------------------------------------------------------------------
 
@@ -102,11 +124,11 @@ class ModeReport:
         ok = self.ok_results()
         ttft = [r.ttft for r in ok if r.ttft is not None]
         gaps = [g for r in ok for g in r.gaps]
-        kv_bytes = sum(int(r.kv.get("bytes", 0)) for r in ok)
-        busy = sum(float(r.kv.get("transfer_s", 0.0)) for r in ok)
-        exposed = [float(r.kv.get("exposed_s", 0.0)) for r in ok if r.ttft]
-        shares = [float(r.kv.get("exposed_s", 0.0)) / r.ttft for r in ok if r.ttft]
-        retried = sum(1 for r in ok if int(r.kv.get("attempts", 1)) > 1)
+        kv_bytes = sum(r.kv.bytes for r in ok)
+        busy = sum(r.kv.transfer_s for r in ok)
+        exposed = [(r.kv.exposed_s or 0.0) for r in ok if r.ttft]
+        shares = [(r.kv.exposed_s or 0.0) / r.ttft for r in ok if r.ttft]
+        retried = sum(1 for r in ok if r.kv.attempts > 1)
         rows = {
             "requests ok / sent": f"{len(ok)} / {len(self.results)}",
             "token-identical to reference": f"{self.identical} / {len(ok)}"

@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import msgspec
 import uvicorn
@@ -26,14 +26,21 @@ from fastapi import FastAPI, Request, Response
 
 from .config import InstanceSettings
 from .instance import Instance, ServingError
-from .messages import ErrorBody
+from .messages import AbortRequest, ErrorBody
 from .metrics import CONTENT_TYPE
 
 __all__ = ["add_instance_routes", "instance_app", "json_response", "read_body", "read_json", "serve"]
 
 log = logging.getLogger("moriio_async.serving")
 T = TypeVar("T")
-S = TypeVar("S")
+
+
+class Aborts(Protocol):
+    def abort(self, request_id: str) -> None:
+        """The proxy gave up on ``request_id``: end what this server holds for it."""
+
+
+S = TypeVar("S", bound=Aborts)
 MAX_BODY = 1 << 20
 """Largest request body accepted by any serving endpoint."""
 
@@ -97,7 +104,8 @@ def instance_app(
     settings: InstanceSettings, role: str, make_server: Callable[[Instance], S]
 ) -> tuple[FastAPI, Callable[[], S]]:
     """An instance's FastAPI app: its lifespan starts one ``Instance`` (and the role's server over it)
-    and closes it; ``/health`` and ``/metrics``; and a getter for the server (503 while starting)."""
+    and closes it; ``/health``, ``/metrics`` and ``/abort`` (the server's ``abort``); and a getter for the
+    server (503 while starting)."""
     getter = InstanceGetter()
     servers: list[S] = []
 
@@ -119,6 +127,11 @@ def instance_app(
     def server() -> S:
         getter()  # ServingError(503) until the lifespan has started the instance
         return servers[0]
+
+    @app.post("/abort")
+    async def abort(request: Request) -> Response:
+        server().abort((await read_json(request, AbortRequest)).request_id)
+        return json_response({"ok": True})
 
     return app, server
 

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
+
+from .messages import KvTransfer
 
 __all__ = ["Result", "make_prompts", "percentile", "run_load", "stream_completion"]
 
@@ -56,7 +59,8 @@ class Result:
     latency: float = 0.0
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
-    kv: dict[str, Any] = field(default_factory=dict)
+    kv: KvTransfer = field(default_factory=KvTransfer)
+    """The proxy's ``kv_transfer`` (its defaults where the proxy sent none: a vLLM proxy's)."""
 
     @property
     def ok(self) -> bool:
@@ -100,7 +104,7 @@ async def stream_completion(
                         last = now
                         res.text += choice["text"]
                 if "kv_transfer" in event:
-                    res.kv = event["kv_transfer"]
+                    res.kv = msgspec.convert(event["kv_transfer"], KvTransfer)
     except httpx.HTTPError as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     finally:

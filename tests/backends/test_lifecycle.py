@@ -99,7 +99,7 @@ def test_states_endpoints_and_describe(backend_name: str) -> None:
     opts = make_options()
     a, b = open_backend(backend_name, opts), open_backend(backend_name, opts)
     try:
-        assert a.describe()["backend"] == backend_name
+        assert a.describe().backend == backend_name
         cq_a, cq_b = a.create_cq(16), b.create_cq(16)
         qa, qb = a.create_qp(cq_a), b.create_qp(cq_b)
         assert qa.state == QpState.INIT and qb.state == QpState.INIT

@@ -12,6 +12,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
+from moriio_async.backends.described import TcpFacts
 from moriio_async.backends.tcp import Fault, Hooks, TcpOptions, TcpQueuePair, VendorErr, iov
 from moriio_async.backends.tcp.wire import peer_progress
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
@@ -76,8 +77,8 @@ def test_describe_names_the_data_port(backend_name: str) -> None:
     backend = open_backend(backend_name, make_options(sq_depth=99))
     try:
         info = backend.describe()
-        assert info["backend"] == "tcp" and info["sq_depth"] == 99
-        assert info["host"] == "127.0.0.1" and isinstance(info["data_port"], int) and info["data_port"] > 0
+        assert isinstance(info, TcpFacts) and info.backend == "tcp" and info.sq_depth == 99
+        assert info.host == "127.0.0.1" and info.data_port > 0
     finally:
         backend.close()
 

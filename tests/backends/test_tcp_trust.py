@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -50,7 +51,7 @@ class Target:
 
     @property
     def counters(self) -> dict[str, int]:
-        return dict(self.backend.describe()["data_plane"])
+        return msgspec.structs.asdict(self.backend.describe().data_plane)
 
 
 @contextmanager

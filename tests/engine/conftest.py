@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moriio_async import IOEngine, IOEngineConfig, MemoryDesc, MockOptions, Session
+from moriio_async.backends.described import TcpFacts
 
 from ..conftest import engine_backends
 
@@ -25,6 +26,13 @@ class Pair:
 
 
 SIZE = 1 << 20
+
+
+def tcp_facts(engine: IOEngine) -> TcpFacts:
+    """What ``engine``'s TCP backend says of itself."""
+    facts = engine.describe_backend()
+    assert isinstance(facts, TcpFacts), facts
+    return facts
 
 
 async def make_pair(backend: str, size: int = SIZE, **config: object) -> tuple[IOEngine, IOEngine, Pair]:

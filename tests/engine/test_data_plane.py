@@ -22,6 +22,7 @@ from moriio_async.core.auth import token_for
 
 from ..backends import datawire as dw
 from ..control.wire import Hello, hello, read_message
+from .conftest import tcp_facts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +95,7 @@ async def test_deregistering_under_a_trickled_write_does_not_stall_the_loop(
             await asyncio.sleep(1.2)  # two more drips would have landed
             assert np.array_equal(target, snapshot), "a byte landed after deregister_memory returned"
             assert gaps.longest < 0.1, f"the loop stood still {gaps.longest * 1000:.0f} ms"
-            assert b.describe_backend()["data_plane"]["aborted_requests"] == 1
+            assert tcp_facts(b).data_plane.aborted_requests == 1
             assert b.statistics().data_plane["aborted_requests"] == 1
     finally:
         sock.close()
@@ -132,7 +133,7 @@ async def test_unexported_rkeys_are_refused_counted_per_peer_and_logged_at_a_rat
     while b.statistics().guard.access_errors.get("hostile", 0) < 12:
         assert loop.time() < give_up, b.statistics().guard.access_errors
         await asyncio.sleep(0.01)
-    assert b.describe_backend()["data_plane"]["access_errors"] == 12
+    assert tcp_facts(b).data_plane.access_errors == 12
     assert b.statistics().data_plane["access_errors"] == 12
     lines = [r for r in caplog.records if "remote access refused" in r.getMessage()]
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]  # one per logger (engine, backend) per interval

@@ -20,6 +20,7 @@ import pytest
 from moriio_async import IOEngine, IOEngineConfig, waiting_for_transfer_complete
 
 from ..control.wire import hello, until
+from .conftest import tcp_facts
 from .siege import Siege, open_files
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,7 +41,7 @@ async def test_a_legitimate_peer_gets_in_while_a_thousand_unauthenticated_socket
             buf_a = np.zeros(1 << 16, np.uint8)
             desc_b = b.register_memory(buf_b, name="kv")
             desc_a = a.register_memory(buf_a, name="kv")
-            target = b.address.rpartition(":")[2] if port == "control" else b.describe_backend()["data_port"]
+            target = b.address.rpartition(":")[2] if port == "control" else tcp_facts(b).data_port
             with Siege(int(target), CROWD) as siege:
                 await until(lambda: siege.opened >= CROWD, limit=30)
                 await asyncio.sleep(5.0)  # the crowd has been there past every grace (hello_timeout)

@@ -18,6 +18,7 @@ import pytest
 from moriio_async import IOEngine, IOEngineConfig
 
 from ..control.wire import close, closed_by_peer, frame, until
+from .conftest import tcp_facts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,14 +70,14 @@ async def test_bad_data_port_hellos_from_a_thousand_addresses_give_a_few_lines(
 ) -> None:
     caplog.set_level(logging.WARNING)
     async with IOEngine("b", IOEngineConfig(backend="tcp", secret="")) as b:
-        port = int(b.describe_backend()["data_port"])
+        port = tcp_facts(b).data_port
         caplog.clear()
         not_a_hello = struct.pack("<4sHH16sI", b"HTTP", 1, 0, bytes(16), 0)  # a hello's size, the wrong magic
         for batch in range(0, ADDRESSES, 50):
             await asyncio.gather(
                 *(bad_frame_from(source(i), "127.0.0.1", port, not_a_hello) for i in range(batch, batch + 50))
             )
-        await until(lambda: b.describe_backend()["data_plane"]["bad_messages"] >= ADDRESSES)
+        await until(lambda: tcp_facts(b).data_plane.bad_messages >= ADDRESSES)
         lines = warnings(caplog)
         assert len(lines) <= GLOBAL_BURST, f"{len(lines)} lines for {ADDRESSES} bad hellos"
-        assert b.describe_backend()["data_plane"]["suppressed_log_lines"] >= ADDRESSES - GLOBAL_BURST
+        assert tcp_facts(b).data_plane.suppressed_log_lines >= ADDRESSES - GLOBAL_BURST

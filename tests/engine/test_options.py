@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from moriio_async import CmaOptions, InvalidArgument, IOEngine, IOEngineConfig, MockOptions, TcpOptions, VerbsOptions
+from moriio_async.backends.described import MockFacts
 from moriio_async.backends.mock import MockFabric
 from moriio_async.core.faultplan import FaultPlan
 
@@ -62,6 +63,8 @@ async def test_a_fabric_that_is_not_one_is_refused_when_the_backend_opens() -> N
 
 async def test_an_engine_opened_with_mock_options_holds_its_nic() -> None:
     async with IOEngine("held", IOEngineConfig(backend="mock", mock=MockOptions(hold=True))) as engine:
-        assert engine.describe_backend()["hold"] is True
+        facts = engine.describe_backend()
+        assert isinstance(facts, MockFacts) and facts.hold is True
     async with IOEngine("free", IOEngineConfig(backend="mock")) as engine:
-        assert engine.describe_backend()["hold"] is False
+        facts = engine.describe_backend()
+        assert isinstance(facts, MockFacts) and facts.hold is False

@@ -16,6 +16,7 @@ import pytest
 
 from moriio_async.aio.cq_reader import CompletionReader
 from moriio_async.backends.base import Backend, QpState, SendQueueFull
+from moriio_async.backends.described import VerbsFacts
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import Sge, WorkCompletion, WorkRequest
 
@@ -26,13 +27,13 @@ pytestmark = guest_only
 
 def test_describe_names_device_and_roce_v2_ipv4_gid(backend: Backend) -> None:
     facts = backend.describe()
-    assert facts["backend"] == "verbs"
-    assert facts["port_state"] == "ACTIVE"
-    assert facts["gid_type"] == "RoCE v2"
-    assert ipaddress.IPv6Address(facts["gid"]).ipv4_mapped is not None, facts
-    assert "RoCE v2" in facts["gid_reason"]
-    assert facts["completion_channel_fd"] is True
-    assert facts["async_events"] is True, "the async-event fd was not found"
+    assert isinstance(facts, VerbsFacts) and facts.backend == "verbs"
+    assert facts.port_state == "ACTIVE"
+    assert facts.gid_type == "RoCE v2"
+    assert ipaddress.IPv6Address(facts.gid).ipv4_mapped is not None, facts
+    assert "RoCE v2" in facts.gid_reason
+    assert facts.completion_channel_fd is True
+    assert facts.async_events is True, "the async-event fd was not found"
 
 
 def test_send_queue_depth_is_clipped_to_max_qp_wr() -> None:
@@ -47,8 +48,9 @@ def test_send_queue_depth_is_clipped_to_max_qp_wr() -> None:
         facts = backend.describe()
         # Clipped to max_qp_wr (less the fence's slot), then halved while the queue does not fit
         # in memory: rxe says 1M, and 1M WQEs of 32 SGEs do not fit in the guest.
-        assert 1024 <= qp.max_send_wr <= facts["max_qp_wr"]
-        assert qp.max_sge == facts["max_sge"]
+        assert isinstance(facts, VerbsFacts)
+        assert 1024 <= qp.max_send_wr <= facts.max_qp_wr
+        assert qp.max_sge == facts.max_sge
         qp.close()
         cq.close()
     finally:

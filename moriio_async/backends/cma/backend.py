@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ...status import Access
 from ..base import BackendOptions, MemoryRegion, specific_options
+from ..described import CmaFacts
 from ..options import CmaOptions
 from ..soft.backend import SoftBackend
 from ..soft.cq import SoftCompletionQueue
@@ -111,21 +112,23 @@ class CmaBackend(SoftBackend[CmaQueuePair]):
         ns = [_ns_inode(kind) for kind in ("pid", "net")]
         return f"{self.port.boot}/pid:{ns[0]}/net:{ns[1]}/uid:{os.getuid()}"
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "backend": "cma",
-            "socket": "@" + self.port.name,
-            "pid": os.getpid(),
-            "boot_id": self.port.boot,
-            "wire_version": VERSION,
-            "yama_ptrace_scope": yama_scope(),
-            "cap_sys_ptrace": has_cap_sys_ptrace(),
-            "ptracer": self.policy.policy,
-            **self._limits(),
-            "round_bytes": self.tuning.round_bytes,
-            "threads": self.tuning.threads,
-            "split_bytes": self.tuning.split_bytes,
-        }
+    def describe(self) -> CmaFacts:
+        sq_depth, max_sge = self._limits()
+        return CmaFacts(
+            backend="cma",
+            socket="@" + self.port.name,
+            pid=os.getpid(),
+            boot_id=self.port.boot,
+            wire_version=VERSION,
+            yama_ptrace_scope=yama_scope(),
+            cap_sys_ptrace=has_cap_sys_ptrace(),
+            ptracer=self.policy.policy,
+            sq_depth=sq_depth,
+            max_sge=max_sge,
+            round_bytes=self.tuning.round_bytes,
+            threads=self.tuning.threads,
+            split_bytes=self.tuning.split_bytes,
+        )
 
     def _close_pairs(self, qps: list[CmaQueuePair]) -> None:
         self.port.quiesce()  # first: no peer's window touches our memory once close returns

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ...errors import EngineClosed, InvalidArgument
 from ...status import Access
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..described import MockFacts
 from ..options import MockOptions
 from ..soft.cq import SoftCompletionQueue
 from .fabric import MockFabric
@@ -52,14 +53,14 @@ class MockBackend(Backend):
         self._qps[qp.qp_num] = qp
         return qp
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "backend": "mock",
-            "hold": self.own.hold,
-            "silent_cq": self.own.silent_cq,
-            "sq_depth": max(1, self.options.sq_depth),
-            "max_sge": max(1, self.options.max_sge),
-        }
+    def describe(self) -> MockFacts:
+        return MockFacts(
+            backend="mock",
+            hold=self.own.hold,
+            silent_cq=self.own.silent_cq,
+            sq_depth=max(1, self.options.sq_depth),
+            max_sge=max(1, self.options.max_sge),
+        )
 
     def close(self) -> None:
         """Flush and close every queue pair (a peer then sees a dead one), close every completion

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 from ...errors import EngineClosed, InvalidArgument
 from ..base import QP_MASK, TAG_SHIFT, Backend, BackendOptions, CompletionQueue, QueuePair
@@ -62,12 +62,9 @@ class SoftBackend(Backend, Generic[Q]):
         with self._lock:
             return list(self._qps.values())
 
-    def _limits(self) -> dict[str, Any]:
+    def _limits(self) -> tuple[int, int]:
         """The send-queue depth and SGEs a pair takes, for ``describe``."""
-        return {
-            "sq_depth": max(1, min(self.options.sq_depth, MAX_SEND_WR)),
-            "max_sge": max(1, min(self.options.max_sge, MAX_SGE)),
-        }
+        return max(1, min(self.options.sq_depth, MAX_SEND_WR)), max(1, min(self.options.max_sge, MAX_SGE))
 
     def close(self) -> None:
         """Close every pair (flushing what is outstanding, joining its threads), then ``_stop`` what

@@ -13,7 +13,7 @@ unknown rkeys on the data plane), with a token derived from the control
 link's session key when there is a shared secret (``qp.py``), within a total
 deadline per message (``responder.py``); deregistration aborts a peer's
 request in progress instead of waiting for it (``regions.py``). What peers
-did wrong is counted in ``describe()["data_plane"]`` (``guard.py``).
+did wrong is counted in ``describe().data_plane`` (``guard.py``).
 
 Settings: ``TcpOptions`` (``IOEngineConfig(tcp=TcpOptions(...))``): the data port's hello bounds, and
 ``hooks`` (a ``Hooks``) or ``fault_plan`` (a ``FaultPlan``) for fault injection.
@@ -22,10 +22,11 @@ Settings: ``TcpOptions`` (``IOEngineConfig(tcp=TcpOptions(...))``): the data por
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ...status import Access
 from ..base import BackendOptions, MemoryRegion, specific_options
+from ..described import TcpFacts
 from ..options import TcpOptions
 from ..soft.backend import SoftBackend
 from ..soft.cq import SoftCompletionQueue
@@ -85,17 +86,19 @@ class TcpBackend(SoftBackend[TcpQueuePair]):
         st = PairState(qp_num, cq, self.regions, self.hooks, self.options.retry_timeout)
         return TcpQueuePair(st, self.listener, self.options, self._forget)
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "backend": "tcp",
-            "host": self.host,
-            "data_port": self.port,
-            "wire_version": VERSION,
-            **self._limits(),
-            "retry_timeout": self.options.retry_timeout,
-            "threads": "accept 1; per active qp: send + recv; per accepted connection: 1",
-            "data_plane": self.guard.snapshot(),
-        }
+    def describe(self) -> TcpFacts:
+        sq_depth, max_sge = self._limits()
+        return TcpFacts(
+            backend="tcp",
+            host=self.host,
+            data_port=self.port,
+            wire_version=VERSION,
+            sq_depth=sq_depth,
+            max_sge=max_sge,
+            retry_timeout=self.options.retry_timeout,
+            threads="accept 1; per active qp: send + recv; per accepted connection: 1",
+            data_plane=self.guard.snapshot(),
+        )
 
     def _stop(self) -> None:
         self.listener.close()

@@ -26,56 +26,53 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ...core.budget import FailureBudget, source_of
-from ...core.ratelog import RateLimitedLog
+from ...core.budget import GuessGuard
+from ..described import DataPlaneCounts
 
 __all__ = ["DataGuard"]
 
 log = logging.getLogger("moriio_async.tcp")
 
 
-class DataGuard:
-    """Counters and rate-limited lines for one backend's data plane (thread-safe)."""
+_COUNTED = (
+    "refused_tokens", "bad_messages", "slow_messages", "refused_connections", "access_errors", "aborted_requests",
+    "evicted_hellos",
+)  # fmt: skip
+"""The ``DataPlaneCounts`` the guard counts itself (the rest are its limiter's and its budget's)."""
+
+
+class DataGuard(GuessGuard):
+    """Counters and rate-limited lines for one backend's data plane (thread-safe). ``budget``: failed
+    guesses per source (tokens, remote accesses); the listener asks it at accept."""
 
     def __init__(
         self, logger: logging.Logger = log, *, interval: float = 10.0, max_failures: int = 16, lockout: float = 30.0
     ) -> None:
+        super().__init__(logger, interval=interval, max_failures=max_failures, lockout=lockout)
         self._lock = threading.Lock()
-        self._warn = RateLimitedLog(logger, logging.WARNING, interval=interval)
-        self.budget = FailureBudget(max_failures, lockout)
-        """Failed guesses per source (tokens, remote accesses); the listener asks it at accept."""
-        self.evicted_hellos = 0
-        self.refused_tokens = 0
-        self.bad_messages = 0
-        self.slow_messages = 0
-        self.refused_connections = 0
-        self.access_errors = 0
-        self.aborted = 0
+        self._counts = dict.fromkeys(_COUNTED, 0)
         self.listener: Callable[[int, str], None] | None = None
 
     def _count(self, name: str) -> None:
         with self._lock:
-            setattr(self, name, getattr(self, name) + 1)
+            self._counts[name] += 1
 
     def refused_token(self, host: str) -> None:
         """A hello whose token no pair waits for: guessed, replayed, or for a pair closed meanwhile."""
         self._count("refused_tokens")
-        self._warn.log(f"token:{host}", "tcp data port: refused a connection from %s: unknown or used token", host)
+        self.warn.log(f"token:{host}", "tcp data port: refused a connection from %s: unknown or used token", host)
         self._charge(host)
 
     def _charge(self, host: str) -> None:
-        if self.budget.fail(source_of(host)):
-            self._warn.log(
+        if self.charge(host):
+            self.warn.log(
                 f"lockout:{host}", "tcp data port: %s is over its budget of failed guesses: its connections wait",
                 host,
             )  # fmt: skip
 
     def delayed(self, host: str) -> bool:
         """A connection from ``host`` arrived while its source is over its budget: it waits (counted)."""
-        if not self.budget.locked(source_of(host)):
-            return False
-        self._warn.log(f"delayed:{host}", "tcp data port: a connection from %s waits: too many failed guesses", host)
-        return True
+        return self.waits(host, "tcp data port: a connection from %s waits: too many failed guesses")
 
     def evicted_hello(self, host: str) -> None:
         """A connection still in its hello was closed to make room for a newer one."""
@@ -85,18 +82,18 @@ class DataGuard:
     def bad_message(self, host: str, why: str) -> None:
         """A hello or chunk that is not one: bad magic or version, an unknown opcode, a bad count."""
         self._count("bad_messages")
-        self._warn.log(f"hello:{host}", "tcp data port: bad message from %s: %s", host, why)
+        self.warn.log(f"hello:{host}", "tcp data port: bad message from %s: %s", host, why)
 
     def slow_message(self, where: str, why: str) -> None:
         """A hello or a chunk not complete within its deadline (a trickling peer): its connection ends."""
         self._count("slow_messages")
-        self._warn.log(f"slow:{where}", "tcp data port: %s: %s; connection closed", where, why)
+        self.warn.log(f"slow:{where}", "tcp data port: %s: %s; connection closed", where, why)
 
     def access_error(self, qp_num: int, host: str, detail: str, *, guess: bool = True) -> None:
         """The target's checks refused a request on answering pair ``qp_num``, from ``host``; ``guess``:
         charged to its source's budget (not for a region deregistered under it: that is the target's doing)."""
         self._count("access_errors")
-        self._warn.log(f"access:{host}", "tcp qp %d (%s): remote access refused: %s", qp_num, host, detail)
+        self.warn.log(f"access:{host}", "tcp qp %d (%s): remote access refused: %s", qp_num, host, detail)
         if guess:
             self._charge(host)
         listener = self.listener
@@ -105,20 +102,15 @@ class DataGuard:
 
     def aborted_receive(self, qp_num: int) -> None:
         """A peer's request into a region was cut short because the region was deregistered."""
-        self._count("aborted")
+        self._count("aborted_requests")
         log.debug("tcp qp %d: a request into a region being deregistered was aborted", qp_num)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> DataPlaneCounts:
         with self._lock:
-            return {
-                "refused_tokens": self.refused_tokens,
-                "bad_messages": self.bad_messages,
-                "slow_messages": self.slow_messages,
-                "refused_connections": self.refused_connections,
-                "access_errors": self.access_errors,
-                "aborted_requests": self.aborted,
-                "suppressed_log_lines": self._warn.suppressed,
-                "evicted_hellos": self.evicted_hellos,
-                "lockouts": self.budget.lockouts,
-                "delayed": self.budget.delayed,
-            }
+            counts = dict(self._counts)
+        return DataPlaneCounts(
+            **counts,
+            suppressed_log_lines=self.warn.suppressed,
+            lockouts=self.budget.lockouts,
+            delayed=self.budget.delayed,
+        )

@@ -33,7 +33,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -225,38 +225,26 @@ class RegionTable:
 
     def check_local(self, lkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
         """The initiator's checks on local SGEs (``write``: the NIC writes them, as a READ does). Pins nothing."""
-        return _check(self.by_lkey, lkeys, addrs, lengths, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
-                      VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
+        return _check(self.by_lkey, lkeys, addrs, lengths, _LOCAL, _LOCAL_WRITE if write else _LOCAL_READ)
 
     def check_remote(
         self, opcode: int, rkeys: U32, addrs: U64, lengths: U64, holder: Abortable | None = None
     ) -> Checked:
         """The target's checks on a chunk's remote ranges, with the regions of the requests before
         the first failure pinned by ``holder`` (one deregistered meanwhile fails there as REMOTE_DEREGISTERED)."""
-        write = opcode == Opcode.RDMA_WRITE
-        allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
-        checked = _check(self.by_rkey, rkeys, addrs, lengths, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
-                         VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
-        checked.holder = holder
-        checked.pin(VendorErr.REMOTE_DEREGISTERED)
-        return checked
+        allowed = _REMOTE_WRITE if opcode == Opcode.RDMA_WRITE else _REMOTE_READ
+        return _pinned(_check(self.by_rkey, rkeys, addrs, lengths, _REMOTE, allowed), holder)
 
     def check_local_one(self, lkey: int, addr: int, length: int, write: bool) -> Checked:
         """``check_local`` for one SGE, on plain integers."""
-        return _check_one(self.by_lkey, lkey, addr, length, VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS,
-                          VendorErr.LOCAL_NO_ACCESS, lambda r: r.live and (r.can_local_write or not write))  # fmt: skip
+        return _check_one(self.by_lkey, lkey, addr, length, _LOCAL, _LOCAL_WRITE if write else _LOCAL_READ)
 
     def check_remote_one(
         self, opcode: int, rkey: int, addr: int, length: int, holder: Abortable | None = None
     ) -> Checked:
         """``check_remote`` for one request, on plain integers (pinned likewise)."""
-        write = opcode == Opcode.RDMA_WRITE
-        allowed: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write if write else r.can_remote_read  # noqa: E731
-        checked = _check_one(self.by_rkey, rkey, addr, length, VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS,
-                             VendorErr.REMOTE_NO_ACCESS, allowed)  # fmt: skip
-        checked.holder = holder
-        checked.pin(VendorErr.REMOTE_DEREGISTERED)
-        return checked
+        allowed = _REMOTE_WRITE if opcode == Opcode.RDMA_WRITE else _REMOTE_READ
+        return _pinned(_check_one(self.by_rkey, rkey, addr, length, _REMOTE, allowed), holder)
 
 
 @dataclass(slots=True)
@@ -317,22 +305,41 @@ def unpin_all(regions: list[TcpRegion], holder: Abortable | None = None) -> None
     regions.clear()
 
 
+class _Refusals(NamedTuple):
+    """What a check fails with, on one side: an unknown key, a range outside its region, an access the
+    region does not grant."""
+
+    unknown: VendorErr
+    out_of_bounds: VendorErr
+    no_access: VendorErr
+
+
+_LOCAL = _Refusals(VendorErr.UNKNOWN_LKEY, VendorErr.LOCAL_OUT_OF_BOUNDS, VendorErr.LOCAL_NO_ACCESS)
+_REMOTE = _Refusals(VendorErr.UNKNOWN_RKEY, VendorErr.REMOTE_OUT_OF_BOUNDS, VendorErr.REMOTE_NO_ACCESS)
+# What each check allows, made once (not a closure per request).
+_LOCAL_READ: Callable[[TcpRegion], bool] = lambda r: r.live  # noqa: E731
+_LOCAL_WRITE: Callable[[TcpRegion], bool] = lambda r: r.live and r.can_local_write  # noqa: E731
+_REMOTE_READ: Callable[[TcpRegion], bool] = lambda r: r.can_remote_read  # noqa: E731
+_REMOTE_WRITE: Callable[[TcpRegion], bool] = lambda r: r.can_remote_write  # noqa: E731
+
+
+def _pinned(checked: Checked, holder: Abortable | None) -> Checked:
+    """A remote check's regions pinned by ``holder`` (one deregistered meanwhile fails as REMOTE_DEREGISTERED)."""
+    checked.holder = holder
+    checked.pin(VendorErr.REMOTE_DEREGISTERED)
+    return checked
+
+
 def _check(
-    table: dict[int, TcpRegion],
-    keys: U32,
-    addrs: U64,
-    lengths: U64,
-    unknown: VendorErr,
-    out_of_bounds: VendorErr,
-    no_access: VendorErr,
+    table: dict[int, TcpRegion], keys: U32, addrs: U64, lengths: U64, refusals: _Refusals,
     allowed: Callable[[TcpRegion], bool],
-) -> Checked:
+) -> Checked:  # fmt: skip
     """Key to region, bounds and access for every block with a few array operations and one
     dict lookup per distinct key (usually one)."""
     n = len(keys)
     if n == 1:  # one block: plain integers, no array work
-        return _check_one(table, keys.item(0), addrs.item(0), lengths.item(0), unknown, out_of_bounds, no_access,
-                          allowed)  # fmt: skip
+        return _check_one(table, keys.item(0), addrs.item(0), lengths.item(0), refusals, allowed)
+    unknown, out_of_bounds, no_access = refusals
     if n and bool((keys == keys[0]).all()):
         found = [table.get(keys.item(0))]
         which = np.zeros(n, dtype=np.intp)
@@ -365,20 +372,14 @@ def _check(
 
 
 def _check_one(
-    table: dict[int, TcpRegion],
-    key: int,
-    addr: int,
-    length: int,
-    unknown: VendorErr,
-    out_of_bounds: VendorErr,
-    no_access: VendorErr,
+    table: dict[int, TcpRegion], key: int, addr: int, length: int, refusals: _Refusals,
     allowed: Callable[[TcpRegion], bool],
-) -> Checked:
+) -> Checked:  # fmt: skip
     region = table.get(key)
     if region is None:
-        vendor = unknown
+        vendor = refusals.unknown
     elif not (region.addr <= addr and length >= 0 and addr + length <= region.addr + region.length):
-        vendor = out_of_bounds
+        vendor = refusals.out_of_bounds
     else:
-        vendor = VendorErr.NONE if allowed(region) else no_access
+        vendor = VendorErr.NONE if allowed(region) else refusals.no_access
     return Checked(0 if vendor else 1, vendor, [region], _ZERO)

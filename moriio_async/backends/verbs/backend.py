@@ -6,11 +6,12 @@ import errno
 import logging
 import threading
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from ...errors import BackendUnavailable, InvalidArgument
 from ...status import Access, WcStatus
 from ..base import Backend, BackendOptions, CompletionQueue, MemoryRegion, QueuePair, specific_options
+from ..described import VerbsFacts
 from ..options import VerbsOptions
 from . import memory
 from ._pyverbs import PYVERBS_VERSION, Context, PdHandle, has_channel_fd, list_devices
@@ -174,29 +175,29 @@ class VerbsBackend(Backend):
             )  # fmt: skip
         return qp
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> VerbsFacts:
         port = self.config.port
-        return {
-            "backend": "verbs",
-            "pyverbs": PYVERBS_VERSION,
-            "completion_channel_fd": has_channel_fd(),
-            "device": self.ctx.name,
-            "port": port.port,
-            "port_state": port.state_name,
-            "mtu": port.mtu_bytes,
-            "gid_index": self.config.gid_index,
-            "gid": self.config.gid,
-            "gid_type": next(
+        return VerbsFacts(
+            backend="verbs",
+            pyverbs=PYVERBS_VERSION,
+            completion_channel_fd=has_channel_fd(),
+            device=self.ctx.name,
+            port=port.port,
+            port_state=port.state_name,
+            mtu=port.mtu_bytes,
+            gid_index=self.config.gid_index,
+            gid=self.config.gid,
+            gid_type=next(
                 (GID_TYPE_NAMES.get(g.gid_type) for g in port.gids if g.index == self.config.gid_index), None
             ),
-            "gid_reason": self.gid_reason,
-            "max_qp_wr": self.limits.max_qp_wr,
-            "max_sge": self.limits.max_sge,
-            "max_cqe": self.limits.max_cqe,
-            "max_qp_rd_atom": self.limits.max_qp_rd_atom,
-            "async_events": self.watcher is not None,
-            **({} if self.fault_seam is None else {"fault_plan": self.fault_seam.describe()}),
-        }
+            gid_reason=self.gid_reason,
+            max_qp_wr=self.limits.max_qp_wr,
+            max_sge=self.limits.max_sge,
+            max_cqe=self.limits.max_cqe,
+            max_qp_rd_atom=self.limits.max_qp_rd_atom,
+            async_events=self.watcher is not None,
+            fault_plan=None if self.fault_seam is None else self.fault_seam.describe(),
+        )
 
     def close(self) -> None:
         if self._closed:

@@ -38,12 +38,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ...core.faultplan import Action, Applied, FaultPlan, FaultRule
 from ...errors import InvalidArgument
 from ...status import WcStatus
 from ...work import WorkBatch
+from ..described import FaultPlanFacts
 
 __all__ = ["PairFaults", "VerbsFaultSeam"]
 
@@ -93,11 +93,8 @@ class VerbsFaultSeam:
         with self._lock:
             return list(self._applied)
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "rules": [r.describe() for r in self.plan.rules],
-            "applied": [{"action": a.action.value, "qp": a.qp, "wr": a.wr, "detail": a.detail} for a in self.applied],
-        }
+    def describe(self) -> FaultPlanFacts:
+        return FaultPlanFacts(rules=tuple(r.describe() for r in self.plan.rules), applied=tuple(self.applied))
 
 
 @dataclass(slots=True)

@@ -117,22 +117,21 @@ class RdmaBackendConfig:
 
 
 @dataclass(slots=True)
-class XgmiBackendConfig:
-    """Accepted so MoRI-style imports work; ``create_backend(BackendType.XGMI)`` refuses (no GPU backend)."""
+class _GpuBackendConfig:
+    """MoRI-IO's settings of a GPU backend (XGMI, FABRIC): accepted so MoRI-style imports work;
+    ``create_backend`` refuses them (no GPU backend)."""
 
     num_streams: int = 64
     num_events: int = 64
 
+
+@dataclass(slots=True)
+class XgmiBackendConfig(_GpuBackendConfig):
     def Type(self) -> BackendType:
         return BackendType.XGMI
 
 
 @dataclass(slots=True)
-class FabricBackendConfig:
-    """Accepted so MoRI-style imports work; ``create_backend(BackendType.FABRIC)`` refuses (no GPU backend)."""
-
-    num_streams: int = 64
-    num_events: int = 64
-
+class FabricBackendConfig(_GpuBackendConfig):
     def Type(self) -> BackendType:
         return BackendType.FABRIC

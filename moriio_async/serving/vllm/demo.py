@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import msgspec
 import uvicorn
 from rich.console import Console
 
 from ..launcher import cancel_on_signals, group_alive
+from ..messages import KvTransfer
 from ..report import KillReport, ModeReport, table_of
 from ..workload import Result, make_prompts
 from . import venv
@@ -158,7 +160,7 @@ class VllmDemo:
         report.trace = TraceSummary.of(report.spans)
         for r in report.results:
             if r.ok and r.ttft:
-                r.kv = {"exposed_s": covered(report.spans, r.started, r.started + r.ttft)}
+                r.kv = KvTransfer(exposed_s=covered(report.spans, r.started, r.started + r.ttft))
         return report
 
     async def blocks_left(self, prefill: Server, decode: Server) -> dict[str, int]:
@@ -239,7 +241,11 @@ class VllmDemo:
         if a.json is not None:
             a.json.write_text(
                 json.dumps(
-                    {"passed": all(r.passed for r in reports), "modes": [r.summary() for r in reports]}, indent=2
+                    {
+                        "passed": all(r.passed for r in reports),
+                        "modes": msgspec.to_builtins([r.summary() for r in reports]),
+                    },
+                    indent=2,
                 )
             )
         for report in reports:

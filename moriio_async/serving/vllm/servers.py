@@ -34,6 +34,8 @@ from typing import Literal
 
 import httpx
 
+from ..launcher import kill_group, signal_group, stop_group
+
 __all__ = ["ServerSpec", "StartFailed", "VllmFleet", "free_port"]
 
 Role = Literal["kv_producer", "kv_consumer"]
@@ -233,15 +235,11 @@ class VllmFleet:
             return "(no log)"
 
     def signal(self, srv: Server, sig: signal.Signals) -> None:
-        if srv.running and srv.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(srv.proc.pid, sig)
+        signal_group(srv.proc, sig)
 
     async def kill(self, srv: Server) -> None:
         """SIGKILL the whole server (API server, engine core, worker) now, and reap it."""
-        self.signal(srv, signal.SIGKILL)
-        if srv.proc is not None:
-            await srv.proc.wait()
+        await kill_group(srv.proc)
 
     async def restart(self, srv: Server) -> None:
         """The same server on the same ports: a new process, a new engine incarnation."""
@@ -251,20 +249,7 @@ class VllmFleet:
         await self.wait_healthy(srv)
 
     async def stop(self, srv: Server, grace: float = 20.0) -> int | None:
-        proc = srv.proc
-        if proc is None:
-            return None
-        if proc.returncode is None:
-            self.signal(srv, signal.SIGCONT)  # a stopped server cannot handle SIGTERM
-            self.signal(srv, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), grace)
-            except TimeoutError:
-                self.signal(srv, signal.SIGKILL)
-                await proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of its group (engine core, workers)
-        return proc.returncode
+        return await stop_group(srv.proc, grace)
 
     async def close(self) -> None:
         await asyncio.gather(*(self.stop(s) for s in self.servers))
