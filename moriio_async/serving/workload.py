@@ -14,11 +14,11 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import msgspec
 
+from .api import JsonValue
 from .messages import KvTransfer
 
 __all__ = ["Result", "make_prompts", "percentile", "run_load", "stream_completion"]
@@ -75,7 +75,7 @@ async def stream_completion(
     max_tokens: int,
     index: int,
     timeout: float,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, JsonValue] | None = None,
 ) -> Result:
     """One streamed completion (``extra``: more body fields); never raises (the result says what went wrong)."""
     res = Result(index, started=time.perf_counter())
@@ -122,7 +122,7 @@ async def run_load(
     timeout: float,
     on_done: Callable[[Result], None] = lambda r: None,
     first_index: int = 0,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, JsonValue] | None = None,
 ) -> list[Result]:
     """Every prompt through the proxy, ``concurrency`` at a time."""
     limit = asyncio.Semaphore(concurrency)
