@@ -61,17 +61,7 @@ class Inbox:
     async def put(self, note: Notification) -> None:
         """Queue ``note``, waiting while the inbox is full (the caller's link stops reading meanwhile)."""
         while not self.closed and (self._putters or self._full(len(note.data))):
-            fut = asyncio.get_running_loop().create_future()
-            self._putters.append(fut)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self._wake(self._putters)  # woken for room it will not use: pass it on
-                raise
-            finally:
-                if fut in self._putters:
-                    self._putters.remove(fut)
+            await self._wait_turn(self._putters)
             if not self._full(len(note.data)):
                 break
         if self.closed:
@@ -84,18 +74,7 @@ class Inbox:
         while not self._items:
             if self.closed:
                 raise EngineClosed("the engine closed: no more notifications")
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                # Taken no item, yet maybe woken for one: pass the wakeup on so it is not lost.
-                if fut.done() and not fut.cancelled():
-                    self._wake(self._waiters)
-                raise
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
+            await self._wait_turn(self._waiters)
         note = self._items.popleft()
         self._bytes -= len(note.data)
         self._wake(self._putters)
@@ -115,6 +94,22 @@ class Inbox:
                 fut = queue.popleft()
                 if not fut.done():
                     fut.set_result(None)
+
+    @classmethod
+    async def _wait_turn(cls, queue: deque[asyncio.Future[None]]) -> None:
+        """Wait in ``queue`` until ``_wake`` (or ``close``) takes this waiter."""
+        fut = asyncio.get_running_loop().create_future()
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            # Woken, yet cancelled before it could use the wakeup (an item, or room): pass it on so it is not lost.
+            if fut.done() and not fut.cancelled():
+                cls._wake(queue)
+            raise
+        finally:
+            if fut in queue:
+                queue.remove(fut)
 
     @staticmethod
     def _wake(queue: deque[asyncio.Future[None]]) -> None:

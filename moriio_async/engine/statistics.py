@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..aio.channel import ChannelState
 from ..aio.cq_reader import ReaderStatistics
@@ -96,7 +95,7 @@ _LEFT_OUT = frozenset({"key", "incarnation", "transports", "access_errors", "pee
 """Identity, not quantities; and tables keyed by peer (a metric exports them with labels)."""
 
 
-def _flatten(prefix: str, values: Mapping[str, Any]) -> Iterator[tuple[str, int]]:
+def _flatten(prefix: str, values: Mapping[str, object]) -> Iterator[tuple[str, int]]:
     for name, value in values.items():
         if name in _LEFT_OUT:
             continue

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "ConnectorSettings"]
 
@@ -37,7 +36,7 @@ class ConnectorSettings:
     secret: str | None
 
     @classmethod
-    def resolve(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorSettings:
+    def resolve(cls, extra: Mapping[str, object] | None, environ: Mapping[str, str] | None = None) -> ConnectorSettings:
         """Settings from the connector's extra config, the environment filling what it leaves out.
 
         Raises ``ValueError`` naming the key on a bad transport or a short secret,

@@ -32,20 +32,32 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from . import cpu, mori_alias
 from .orphans import WriteWaits
 from .peers import PeerCaches, bounded_zmq_ctx
 from .settings import ConnectorSettings
 
-__all__ = ["PAGE", "MoRIIOAsyncConnector", "MoRIIOConnector"]
+__all__ = ["PAGE", "KvCache", "MoRIIOAsyncConnector", "MoRIIOConnector"]
 
 PAGE = 4096
 _MODULES = (  # a module before those that import names from it
     "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_engine",
     "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector",
 )
+
+
+class _Storage(Protocol):
+    def data_ptr(self) -> int: ...
+
+
+class KvCache(Protocol):
+    """What ``register_kv_caches`` reads of each of vLLM's KV cache tensors (a ``torch.Tensor`` is one),
+    so that this module's types need no torch."""
+
+    def untyped_storage(self) -> _Storage: ...
 
 
 def _log_to_stderr() -> None:
@@ -106,9 +118,10 @@ class MoRIIOAsyncConnector(_Base):  # type: ignore[misc]
             grace = float((extra or {}).get("recv_abort_timeout", _upstream.MoRIIOConstants.DEFAULT_RECV_ABORT_TIMEOUT))
             WriteWaits(grace).install(scheduler)
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, KvCache]) -> None:
+        """vLLM's (layer name to KV cache tensor), once it checked that the caches are page-aligned."""
         first = next(iter(kv_caches.values()), None)
-        if first is not None and hasattr(first, "untyped_storage"):
+        if first is not None and hasattr(first, "untyped_storage"):  # as before: anything else goes to vLLM as is
             ptr = first.untyped_storage().data_ptr()
             if ptr % PAGE:
                 raise RuntimeError(

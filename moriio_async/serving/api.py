@@ -9,6 +9,7 @@ refused with a 400 naming it rather than ignored. Errors have OpenAI's shape,
 from __future__ import annotations
 
 import time
+from typing import TypeAlias
 
 import msgspec
 from fastapi import Response
@@ -23,6 +24,8 @@ __all__ = [
     "CompletionRequest",
     "ErrorAnswer",
     "ErrorDetail",
+    "JsonObject",
+    "JsonValue",
     "ModelCard",
     "Usage",
     "chunk",
@@ -31,6 +34,12 @@ __all__ = [
     "model_card",
     "parse_request",
 ]
+
+
+JsonValue: TypeAlias = "bool | int | float | str | list[JsonValue] | dict[str, JsonValue] | None"
+"""Any JSON value, as ``json.loads`` returns it: what a proxy forwards without reading it."""
+JsonObject: TypeAlias = "dict[str, JsonValue]"
+"""A JSON object: an OpenAI request body, with the fields no one here knows kept as they came."""
 
 
 class ApiError(Exception):

@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 import msgspec
 
@@ -42,6 +42,7 @@ __all__ = ["Instance", "PeerUnavailable", "ServingError", "check_prompt"]
 
 log = logging.getLogger("moriio_async.serving")
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 Handler = Callable[[Any, str], Coroutine[Any, Any, None]]
 
 
@@ -163,7 +164,7 @@ class Instance:
 
     # -- the model thread ------------------------------------------------------------------------
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+    async def compute(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run ``fn`` on the model thread.
 
         If the caller is cancelled, this still waits for ``fn`` to return before

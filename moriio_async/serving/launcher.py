@@ -35,6 +35,7 @@ __all__ = [
     "cancel_on_signals",
     "group_alive",
     "kill_group",
+    "log_tail",
     "signal_group",
     "stop_group",
 ]
@@ -119,10 +120,7 @@ class Launcher:
             log.write(f"== serving at {child.url}, pid {child.proc.pid}\n".encode())
 
     def tail(self, child: Child, lines: int = 30) -> str:
-        try:
-            return "\n".join(child.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(child.log, lines)
 
     async def kill(self, child: Child) -> None:
         """SIGKILL the child's process group now (failure injection) and reap it."""
@@ -149,6 +147,14 @@ class Launcher:
             codes = await asyncio.gather(*(self.stop(c) for c in group))
             statuses.update({c.name: code for c, code in zip(group, codes, strict=True)})
         return statuses
+
+
+def log_tail(log: Path, lines: int) -> str:
+    """The last ``lines`` lines of a child's log, for an error message ("(no log)" if it cannot be read)."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def signal_group(proc: asyncio.subprocess.Process | None, sig: signal.Signals) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -25,7 +24,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
+def _flatten(prefix: str, value: object) -> Iterator[tuple[str, float]]:
     if isinstance(value, bool | int | float):
         yield prefix, float(value)
     elif isinstance(value, Mapping):
@@ -38,7 +37,7 @@ def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
 class StatsCollector(Collector):
     """Exports every number in ``read()``'s (nested) dict as a gauge named ``prefix_key``."""
 
-    def __init__(self, prefix: str, doc: str, read: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, prefix: str, doc: str, read: Callable[[], Mapping[str, object]]) -> None:
         self.prefix, self.doc, self.read = prefix, doc, read
 
     def collect(self) -> Iterable[GaugeMetricFamily]:

@@ -12,16 +12,16 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import msgspec
 
+from .api import JsonValue
 from .messages import KvTransfer
 
-__all__ = ["Result", "make_prompts", "percentile", "run_load", "stream_completion"]
+__all__ = ["Result", "make_prompts", "percentile", "run_each", "run_load", "stream_completion"]
 
 # fmt: off
 _WORDS = (
@@ -75,7 +75,7 @@ async def stream_completion(
     max_tokens: int,
     index: int,
     timeout: float,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, JsonValue] | None = None,
 ) -> Result:
     """One streamed completion (``extra``: more body fields); never raises (the result says what went wrong)."""
     res = Result(index, started=time.perf_counter())
@@ -122,14 +122,29 @@ async def run_load(
     timeout: float,
     on_done: Callable[[Result], None] = lambda r: None,
     first_index: int = 0,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, JsonValue] | None = None,
 ) -> list[Result]:
     """Every prompt through the proxy, ``concurrency`` at a time."""
+
+    def send(i: int, prompt: str) -> Awaitable[Result]:
+        return stream_completion(client, url, model, prompt, max_tokens, first_index + i, timeout, extra)
+
+    return await run_each(prompts, concurrency, send, on_done)
+
+
+async def run_each(
+    prompts: Sequence[str],
+    concurrency: int,
+    send: Callable[[int, str], Awaitable[Result]],
+    on_done: Callable[[Result], None],
+) -> list[Result]:
+    """``send(i, prompts[i])`` for every prompt, ``concurrency`` at a time; ``on_done`` sees each result as it
+    comes, the list has them in the prompts' order."""
     limit = asyncio.Semaphore(concurrency)
 
     async def one(i: int, prompt: str) -> Result:
         async with limit:
-            res = await stream_completion(client, url, model, prompt, max_tokens, first_index + i, timeout, extra)
+            res = await send(i, prompt)
         on_done(res)
         return res
 

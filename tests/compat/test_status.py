@@ -34,6 +34,12 @@ def later(delay: float, fn: object, *args: object) -> threading.Thread:
     return thread
 
 
+def test_the_codes_are_moriio_async_s_one_for_one() -> None:
+    # Two tables of MoRI-IO's codes (an IntEnum with members cannot be extended, and this one prints as
+    # pybind11 does): they must not drift apart.
+    assert [(c.name, int(c)) for c in StatusCode] == [(c.name, int(c)) for c in moriio_async.StatusCode]
+
+
 def test_status_surface_and_codes_print_as_mori_does() -> None:
     status = TransferStatus()
     assert status.Init() and not status.InProgress() and not status.Failed()

@@ -42,6 +42,7 @@ class Servers:
         self.down: set[str] = set()
         self.silent: set[str] = set()
         self.kv: dict[str, asyncio.Event] = {}
+        self.prefill_answer: object = None  # what a prefill leg answers instead of vLLM's object, when set
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
@@ -55,6 +56,8 @@ class Servers:
         kv = self.kv.setdefault(params["transfer_id"], asyncio.Event())
         if params.get("do_remote_decode"):
             kv.set()
+            if self.prefill_answer is not None:
+                return httpx.Response(200, json=self.prefill_answer)
             answer = {
                 "choices": [{"text": "x"}],
                 "kv_transfer_params": {"remote_engine_id": "e", "remote_block_ids": [[3, 4]]},
@@ -104,6 +107,30 @@ async def test_both_legs_carry_one_transfer_id_and_the_request_id_names_both_pee
         want |= {"remote_engine_id": None, "remote_block_ids": None}
     assert dec["kv_transfer_params"] == want
     assert pre["temperature"] == dec["temperature"] == 0.0 and pre["prompt"] == dec["prompt"] == "hello"
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_fields_the_proxy_does_not_know_reach_both_legs_unchanged(mode: str) -> None:
+    servers = Servers()
+    vendor = {"a": [1, {"b": None, "c": 2.5}], "d": "x"}
+    body = {**BODY, "vendor_x": vendor, "max_completion_tokens": 8, "stream_options": {"include_usage": True},
+            "kv_transfer_params": {"client": "set"}}  # fmt: skip
+    await proxy(servers, mode).complete(body)
+    (_, pre, _), (_, dec, _) = sorted(servers.seen, key=lambda s: s[0])
+    assert pre["vendor_x"] == dec["vendor_x"] == vendor
+    assert pre["max_completion_tokens"] == 1 and "stream_options" not in pre  # the prefill leg makes one token
+    assert dec["max_completion_tokens"] == 8 and dec["stream_options"] == {"include_usage": True}
+    assert "client" not in pre["kv_transfer_params"] and "client" not in dec["kv_transfer_params"]
+    assert set(dec) == set(body) and set(pre) == set(body) - {"stream_options"}
+
+
+async def test_a_prefill_answer_that_is_not_an_object_fails_the_attempt_in_read_mode() -> None:
+    servers = Servers()
+    servers.prefill_answer = ["not", "an", "object"]
+    with pytest.raises(ApiError) as failed:
+        await proxy(servers, "read").complete(dict(BODY))
+    assert failed.value.status == 503 and "answered list, not an object" in str(failed.value)
+    assert not any(body["kv_transfer_params"].get("do_remote_prefill") for _, body, _ in servers.seen)
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])

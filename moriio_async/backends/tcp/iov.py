@@ -27,6 +27,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Final, TypeVar, cast
 
 import numpy as np
@@ -59,6 +60,7 @@ IOV_MAX: Final = 1024
 _ROW: Final = 16  # sizeof(struct iovec) on 64-bit Linux: base, length
 
 _B = TypeVar("_B", bound=bytes | memoryview)
+_At = TypeVar("_At")  # where the next call starts: a row of an Iov, or the buffers left
 
 MIN_RATE: Final = 1 << 20
 """Bytes per second a peer must at least keep up within one message (beyond its first timeout)."""
@@ -279,38 +281,53 @@ def advance(iov: Iov, start: int, n: int) -> int:
     return start
 
 
-def send_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
-    """Send ``total`` bytes from ``iov[start:]`` (blocking). Raises PeerGone."""
+def _send_whole(send: Callable[[_At], int], skip: Callable[[_At, int], _At], at: _At, total: int) -> None:
+    """``send(at)`` until ``total`` bytes went, ``skip`` moving ``at`` past what each call took (blocking).
+    Raises PeerGone."""
     try:
         while True:
-            n = sendmsg(fd, iov, start)
+            n = send(at)
             total -= n
             if total <= 0:
                 return
-            start = advance(iov, start, n)
+            at = skip(at, n)
     except BlockingIOError:
         raise PeerGone(VendorErr.SEND_TIMEOUT) from None
     except OSError:
         raise PeerGone(VendorErr.PEER_RESET) from None
 
 
-def recv_all(fd: int, iov: Iov, total: int, start: int = 0, deadline: Deadline | None = None) -> None:
-    """Fill ``iov[start:]`` with ``total`` bytes (blocking; silence inside is a dead peer, and so is
-    missing ``deadline``). Raises PeerGone."""
+def _recv_whole(
+    recv: Callable[[_At], int], skip: Callable[[_At, int], _At], at: _At, total: int, deadline: Deadline | None
+) -> None:
+    """``recv(at)`` until ``total`` bytes came, ``skip`` moving ``at`` past what each call filled (blocking;
+    silence inside is a dead peer, and so is missing ``deadline``, checked only after a short call).
+    Raises PeerGone."""
     try:
         while total > 0:
-            n = recvmsg(fd, iov, start)
+            n = recv(at)
             if n == 0:
                 raise PeerGone(VendorErr.PEER_CLOSED)
             total -= n
             if total > 0:
                 if deadline is not None:
                     deadline.check()
-                start = advance(iov, start, n)
+                at = skip(at, n)
     except BlockingIOError:
         raise PeerGone(VendorErr.PEER_SILENT) from None
     except OSError:
         raise PeerGone(VendorErr.PEER_RESET) from None
+
+
+def send_all(fd: int, iov: Iov, total: int, start: int = 0) -> None:
+    """Send ``total`` bytes from ``iov[start:]`` (blocking). Raises PeerGone."""
+    _send_whole(lambda at: sendmsg(fd, iov, at), lambda at, n: advance(iov, at, n), start, total)
+
+
+def recv_all(fd: int, iov: Iov, total: int, start: int = 0, deadline: Deadline | None = None) -> None:
+    """Fill ``iov[start:]`` with ``total`` bytes (blocking; silence inside is a dead peer, and so is
+    missing ``deadline``). Raises PeerGone."""
+    _recv_whole(lambda at: recvmsg(fd, iov, at), lambda at, n: advance(iov, at, n), start, total, deadline)
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline | None = None) -> None:
@@ -346,17 +363,7 @@ def prefix(iov: Iov, start: int, nbytes: int) -> Iov:
 
 def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview], total: int) -> None:
     """Send ``buffers`` back to back with gather writes (zero copy). Raises PeerGone."""
-    try:
-        while True:
-            n = sock.sendmsg(buffers, (), _NOSIGNAL)
-            total -= n
-            if total <= 0:
-                return
-            buffers = advance_buffers(buffers, n)
-    except BlockingIOError:
-        raise PeerGone(VendorErr.SEND_TIMEOUT) from None
-    except OSError:
-        raise PeerGone(VendorErr.PEER_RESET) from None
+    _send_whole(lambda left: sock.sendmsg(left, (), _NOSIGNAL), advance_buffers, buffers, total)
 
 
 def advance_buffers(buffers: list[_B], n: int) -> list[_B]:
@@ -374,17 +381,4 @@ def advance_buffers(buffers: list[_B], n: int) -> list[_B]:
 def recv_buffers(sock: socket.socket, views: list[memoryview], total: int, deadline: Deadline | None = None) -> None:
     """Fill ``views`` in order with ``total`` bytes (silence inside is a dead peer, and so is missing
     ``deadline``). Raises PeerGone."""
-    try:
-        while total > 0:
-            n = sock.recvmsg_into(views, 0, _WAITALL)[0]
-            if n == 0:
-                raise PeerGone(VendorErr.PEER_CLOSED)
-            total -= n
-            if total > 0:
-                if deadline is not None:
-                    deadline.check()
-                views = advance_buffers(views, n)
-    except BlockingIOError:
-        raise PeerGone(VendorErr.PEER_SILENT) from None
-    except OSError:
-        raise PeerGone(VendorErr.PEER_RESET) from None
+    _recv_whole(lambda left: sock.recvmsg_into(left, 0, _WAITALL)[0], advance_buffers, views, total, deadline)

@@ -20,11 +20,12 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 __all__ = ["LoopThread", "close_before_exit", "new_event_loop"]
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 log = logging.getLogger("moriio_async")
 
 _closers: list[weakref.finalize[Any, Any]] = []
@@ -132,7 +133,7 @@ class LoopThread:
             raise
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
+    def call(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run the plain callable ``fn`` on the loop thread and return its result (directly when already there)."""
         if self.in_loop_thread:
             return fn(*args)
@@ -148,7 +149,7 @@ class LoopThread:
         self.loop.call_soon_threadsafe(job)
         return future.result()
 
-    def post(self, fn: Callable[..., object], *args: Any) -> None:
+    def post(self, fn: Callable[[*Ts], object], *args: *Ts) -> None:
         """Queue ``fn(*args)`` on the loop; calls posted from one thread run in posting order."""
         self.loop.call_soon_threadsafe(fn, *args)
 

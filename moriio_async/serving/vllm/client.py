@@ -9,13 +9,12 @@ is the proxy's job, and the figures should show it.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import openai
 
-from ..workload import Result
+from ..workload import Result, run_each
 
 __all__ = ["openai_load"]
 
@@ -57,13 +56,9 @@ async def openai_load(
     on_done: Callable[[Result], None] = lambda r: None,
 ) -> list[Result]:
     """Every prompt through ``base_url`` (the proxy's ``/v1``), ``concurrency`` at a time."""
-    limit = asyncio.Semaphore(concurrency)
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout, max_retries=0) as client:
 
-        async def one(i: int, prompt: str) -> Result:
-            async with limit:
-                res = await _one(client, model, prompt, max_tokens, i)
-            on_done(res)
-            return res
+        def send(i: int, prompt: str) -> Awaitable[Result]:
+            return _one(client, model, prompt, max_tokens, i)
 
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        return await run_each(prompts, concurrency, send, on_done)

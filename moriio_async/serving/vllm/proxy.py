@@ -45,16 +45,34 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from ..api import ApiError, error_response
+from ..api import ApiError, JsonObject, JsonValue, error_response
 from ..metrics import CONTENT_TYPE, ProxyMetrics
 from ..web import read_body
 
-__all__ = ["Peer", "VllmProxy", "VllmProxySettings", "create_vllm_proxy_app", "request_id_for"]
+__all__ = ["KvTransferParams", "Peer", "VllmProxy", "VllmProxySettings", "create_vllm_proxy_app", "request_id_for"]
 
 log = logging.getLogger("moriio_async.serving")
+
+
+class KvTransferParams(msgspec.Struct, kw_only=True):
+    """vLLM MoRIIO's ``kv_transfer_params`` as the proxy writes them into a leg: the other server's addresses,
+    which side of the transfer this leg is, and the ``transfer_id`` both legs share."""
+
+    remote_host: str
+    remote_port: int
+    remote_handshake_port: int
+    remote_notify_port: int
+    remote_engine_id: JsonValue = None
+    """READ mode's decode leg: the prefill answer's, forwarded as it came (None otherwise)."""
+    remote_block_ids: JsonValue = None
+    """READ mode's decode leg: the prefill answer's, forwarded as it came (None otherwise)."""
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    transfer_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +91,18 @@ class Peer:
     def zmq_address(self) -> str:
         return f"host:{self.host},handshake:{self.handshake_port},notify:{self.notify_port}"
 
-    def params(self) -> dict[str, Any]:
-        return {
-            "remote_host": self.host,
-            "remote_port": self.http_port,
-            "remote_handshake_port": self.handshake_port,
-            "remote_notify_port": self.notify_port,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-        }
+    def params(self, transfer_id: str, *, decode: bool) -> KvTransferParams:
+        """This server as the other end of a leg: of the prefill leg when it is the ``decode`` server, else of
+        the decode leg (it is the prefill server)."""
+        return KvTransferParams(
+            remote_host=self.host,
+            remote_port=self.http_port,
+            remote_handshake_port=self.handshake_port,
+            remote_notify_port=self.notify_port,
+            do_remote_decode=decode,
+            do_remote_prefill=not decode,
+            transfer_id=transfer_id,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,23 +151,7 @@ class VllmProxy:
                 return p
         return None
 
-    def _legs(self, body: dict[str, Any], p: Peer, d: Peer) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
-        tid = uuid.uuid4().hex
-        prefill = {**body, "max_tokens": 1, "stream": False}
-        prefill.pop("stream_options", None)
-        if "max_completion_tokens" in prefill:
-            prefill["max_completion_tokens"] = 1
-        prefill["kv_transfer_params"] = {
-            **d.params(),
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "transfer_id": tid,
-        }
-        decode = {**body, "kv_transfer_params": {**p.params(), "do_remote_decode": False, "do_remote_prefill": True}}
-        decode["kv_transfer_params"]["transfer_id"] = tid
-        return prefill, decode, {"X-Request-Id": request_id_for(p, d, tid)}
-
-    async def _post_prefill(self, p: Peer, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+    async def _post_prefill(self, p: Peer, body: JsonObject, headers: dict[str, str]) -> httpx.Response:
         timeout = self.settings.transfer_timeout
         try:
             async with asyncio.timeout(timeout):  # one total deadline: httpx's own is per read
@@ -159,16 +164,23 @@ class VllmProxy:
             raise AttemptFailed("prefill_error", f"prefill {p.url} answered {resp.status_code}: {resp.text[:300]}")
         return resp
 
-    async def _attempt(self, body: dict[str, Any], p: Peer, d: Peer) -> _Opened:
-        pre, dec, headers = self._legs(body, p, d)
+    async def _attempt(self, body: JsonObject, p: Peer, d: Peer) -> _Opened:
+        tid = uuid.uuid4().hex
+        headers = {"X-Request-Id": request_id_for(p, d, tid)}
+        pre = _prefill_leg(body, d.params(tid, decode=True))
+        params = p.params(tid, decode=False)
         prefill_task: asyncio.Task[httpx.Response] | None = None
         if self.settings.mode == "read":
-            answer = (await self._post_prefill(p, pre, headers)).json()
-            params = answer.get("kv_transfer_params") or {}
-            dec["kv_transfer_params"]["remote_engine_id"] = params.get("remote_engine_id")
-            dec["kv_transfer_params"]["remote_block_ids"] = params.get("remote_block_ids")
+            answer: JsonValue = (await self._post_prefill(p, pre, headers)).json()
+            if not isinstance(answer, dict):
+                raise AttemptFailed("prefill_error", f"prefill {p.url} answered {type(answer).__name__}, not an object")
+            given = answer.get("kv_transfer_params")
+            if isinstance(given, dict):
+                params.remote_engine_id = given.get("remote_engine_id")
+                params.remote_block_ids = given.get("remote_block_ids")
         else:
             prefill_task = asyncio.create_task(self._post_prefill(p, pre, headers))
+        dec: JsonObject = {**body, "kv_transfer_params": _json(params)}
         request = self.client.build_request("POST", f"{d.url}/v1/completions", json=dec, headers=headers)
         try:
             resp = await self.client.send(request, stream=True)
@@ -217,7 +229,7 @@ class VllmProxy:
         finally:
             await _cancel(first)
 
-    async def open(self, body: dict[str, Any]) -> _Opened:
+    async def open(self, body: JsonObject) -> _Opened:
         errors: list[str] = []
         for attempt in range(self.settings.max_attempts):
             p = self._next_prefill()
@@ -236,7 +248,9 @@ class VllmProxy:
         message = "no prefill/decode pair could serve the request: " + " | ".join(errors)
         raise ApiError(503, message, type="server_error")
 
-    async def complete(self, body: dict[str, Any]) -> Response:
+    async def complete(self, body: JsonObject) -> Response:
+        """Serve one ``/v1/completions`` body: every field the client sent reaches both legs unchanged, but
+        those the legs set (``kv_transfer_params``; on the prefill leg ``max_tokens``, ``stream``, ...)."""
         started = time.monotonic()
         opened = await self.open(body)
         self.metrics.ttft.observe(time.monotonic() - started)
@@ -258,6 +272,21 @@ class VllmProxy:
             return StreamingResponse(rest(), media_type=media)
         data = b"".join([part async for part in rest()])
         return Response(data, media_type="application/json")
+
+
+def _prefill_leg(body: JsonObject, params: KvTransferParams) -> JsonObject:
+    """The client's body for the prefill leg: one token, not streamed, with ``params``."""
+    prefill: JsonObject = {**body, "max_tokens": 1, "stream": False}
+    prefill.pop("stream_options", None)
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["kv_transfer_params"] = _json(params)
+    return prefill
+
+
+def _json(params: KvTransferParams) -> JsonObject:
+    out: JsonObject = msgspec.to_builtins(params)
+    return out
 
 
 async def _cancel(task: asyncio.Future[Any] | None) -> None:
@@ -289,7 +318,7 @@ def create_vllm_proxy_app(settings: VllmProxySettings) -> FastAPI:
         metrics.requests_in_flight.inc()
         try:
             try:
-                body = json.loads(await read_body(request))
+                body: JsonValue = json.loads(await read_body(request))
                 if not isinstance(body, dict):
                     raise ValueError("the body is not a JSON object")
             except ValueError as exc:

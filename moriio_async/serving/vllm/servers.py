@@ -34,7 +34,7 @@ from typing import Literal
 
 import httpx
 
-from ..launcher import kill_group, signal_group, stop_group
+from ..launcher import kill_group, log_tail, signal_group, stop_group
 
 __all__ = ["ServerSpec", "StartFailed", "VllmFleet", "free_port"]
 
@@ -229,10 +229,7 @@ class VllmFleet:
         return f"exit {srv.proc.returncode}" if srv.proc is not None else "never started"
 
     def tail(self, srv: Server, lines: int = 40) -> str:
-        try:
-            return "\n".join(srv.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(srv.log, lines)
 
     def signal(self, srv: Server, sig: signal.Signals) -> None:
         signal_group(srv.proc, sig)

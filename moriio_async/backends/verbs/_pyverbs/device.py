@@ -80,10 +80,7 @@ class Context:
         return kind
 
     def close(self) -> None:
-        try:
-            self.raw.close()
-        except lib.PyverbsError as exc:
-            raise lib.fail(f"close device {self.name}", exc) from exc
+        lib.close(self.raw, f"close device {self.name}")
 
 
 class PdHandle:
@@ -94,10 +91,7 @@ class PdHandle:
             raise lib.fail("alloc_pd", exc) from exc
 
     def close(self) -> None:
-        try:
-            self.raw.close()
-        except lib.PyverbsError as exc:
-            raise lib.fail("dealloc_pd", exc) from exc
+        lib.close(self.raw, "dealloc_pd")
 
 
 class MrHandle:
@@ -112,10 +106,7 @@ class MrHandle:
         self.rkey = int(self._mr.rkey)
 
     def close(self) -> None:
-        try:
-            self._mr.close()
-        except lib.PyverbsError as exc:
-            raise lib.fail("ibv_dereg_mr", exc) from exc
+        lib.close(self._mr, "ibv_dereg_mr")
 
 
 class CqHandle:

@@ -10,7 +10,7 @@ from ....errors import BackendUnavailable
 from ..values import INSTALL_HINT, NO_DEVICE_HINT, VerbsError
 
 __all__ = [
-    "PYVERBS_VERSION", "PyverbsError", "addr", "cq", "device", "errno_of", "fail", "has_channel_fd",
+    "PYVERBS_VERSION", "PyverbsError", "addr", "close", "cq", "device", "errno_of", "fail", "has_channel_fd",
     "list_devices", "mr", "pd", "qp", "wr",
 ]  # fmt: skip
 
@@ -57,6 +57,14 @@ def errno_of(exc: BaseException) -> int:
 def fail(what: str, exc: BaseException, hint: str | None = None) -> VerbsError:
     """A pyverbs exception as the ``VerbsError`` the backend handles, with its errno."""
     return VerbsError(f"{what}: {exc}", errno=errno_of(exc), hint=hint)
+
+
+def close(handle: Any, what: str) -> None:
+    """``handle.close()`` (a pyverbs object), its pyverbs error raised as the ``VerbsError`` naming ``what``."""
+    try:
+        handle.close()
+    except PyverbsError as exc:
+        raise fail(what, exc) from exc
 
 
 def has_channel_fd() -> bool:
