@@ -1,5 +1,11 @@
 """The initiator's worker: posted requests executed in order, a chunk at a time, checks before bytes.
 
+The thread that executes is the pair's worker, or the posting thread itself
+(``execute``) when it posted a small batch to an idle pair: then no thread
+is woken to move the bytes, and none is woken to learn they moved. One
+thread at a time executes (``PairState.running``); a chunk that would wait
+on the target (a shared allocation to map first) is left to the worker.
+
 A chunk (consecutive requests of one opcode, about ``round_bytes`` of
 payload, at most IOV_MAX requests and SGEs) runs in windows of at most
 ``round_bytes`` (a huge request is several windows). Each window, under the
@@ -37,13 +43,15 @@ from .pairstate import PairState
 from .regions import LocalTable
 from .wire import VendorErr
 
-__all__ = ["Executor", "work_loop"]
+__all__ = ["HANDOFF", "Executor", "execute", "work_loop"]
 
 _READ = int(Opcode.RDMA_READ)
 _RTS = QpState.RTS
 
 Outcome = tuple[int, WcStatus | None, int]
-"""How many requests from the chunk's first succeeded, then the failure's status (None: none) and vendor code."""
+"""How many requests from the chunk's first succeeded, then the failure's status (None: none) and vendor code
+(``HANDOFF`` with no status: the rest of the chunk needs a wait on the target, which only the worker makes)."""
+HANDOFF = -1
 
 
 def _errno_outcome(err: int) -> tuple[WcStatus, VendorErr]:
@@ -70,7 +78,7 @@ class Executor:
         self.missing = 0
         """The allocation ``_plan`` found unmapped at the head of the chunk."""
 
-    def run(self, batch: WorkBatch, lo: int, hi: int) -> Outcome:
+    def run(self, batch: WorkBatch, lo: int, hi: int, may_wait: bool = True) -> Outcome:
         read = batch.opcode.item(lo) == _READ
         ra, rl = batch.remote_addr[lo:hi], batch.length[lo:hi]
         link, st = self.link, self.st
@@ -105,6 +113,8 @@ class Executor:
                             return failed, WcStatus.RETRY_EXC_ERR, VendorErr.PEER_EXITED
                         return failed, st_, vendor_
             if end_req < 0:  # map the target's allocation (this waits on it: not under the lock), then retry
+                if not may_wait:
+                    return int(np.searchsorted(ends, pos, side="right")), None, HANDOFF
                 if not link.map(unmapped, st, self.timeout):
                     return int(np.searchsorted(ends, pos, side="right")), WcStatus.REM_ACCESS_ERR, VendorErr.NO_MAPPING
                 continue
@@ -185,21 +195,39 @@ class Executor:
 
 
 def work_loop(st: PairState, ex: Executor) -> None:
-    """Execute the head span's next chunk until the pair leaves RTS."""
+    """Execute what is posted, oldest first, until the pair leaves RTS (the worker thread)."""
     while True:
         with st.lock:
-            while st.state == _RTS and not st.pending:
+            while st.state == _RTS and (st.running or not st.pending):
                 st.work_cv.wait()
             if st.state != _RTS:
                 return
-            span = st.pending[0]
-            lo = span.pos
-            hi = span.next_chunk(ex.round_bytes)
-        done, status, vendor = ex.run(span.batch, lo, hi)
+            st.running = True
+        execute(st, ex)
+
+
+def execute(st: PairState, ex: Executor, may_wait: bool = True) -> None:
+    """Execute head chunks until nothing is queued or the pair fails; the caller set ``running``, which
+    this clears. ``may_wait=False`` (a poster, on the event loop): a chunk that would wait on the target
+    is left, from there on, to the worker."""
+    try:
+        while True:
+            with st.lock:
+                span = st.take_head_locked()
+                if span is None:
+                    return
+                lo = span.pos
+                hi = span.next_chunk(ex.round_bytes)
+            done, status, vendor = ex.run(span.batch, lo, hi, may_wait)
+            with st.lock:
+                if st.state != _RTS:
+                    return
+                st.complete_locked(span, done)
+                if vendor == HANDOFF:
+                    return
+                if status is not None:
+                    st.fail_locked(status, vendor)
+                    return
+    finally:
         with st.lock:
-            if st.state != _RTS:
-                return
-            st.complete_locked(span, done)
-            if status is not None:
-                st.fail_locked(status, vendor)
-                return
+            st.stop_running_locked()
