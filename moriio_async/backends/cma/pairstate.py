@@ -39,13 +39,20 @@ __all__ = ["PairState", "Span"]
 
 
 class Span(SoftSpan):
-    """Posted requests ``pos:`` of ``batch`` not yet completed (only the worker moves ``pos``)."""
+    """Posted requests ``pos:`` of ``batch`` not yet completed (only the executing thread moves ``pos``)."""
 
-    __slots__ = ()
+    __slots__ = ("whole",)
+
+    def __init__(self, batch: WorkBatch, seq: int) -> None:
+        super().__init__(batch, seq)
+        self.whole = False
+        """The poster found the batch to be one chunk (one opcode, within every limit): no cutting."""
 
     def next_chunk(self, max_bytes: int) -> int:
         """Where the chunk from ``pos`` ends: one opcode, at most ``max_bytes`` (at least one request),
         at most IOV_MAX requests and IOV_MAX local SGEs."""
+        if self.whole and not self.pos:
+            return len(self.batch)
         end = self.cut(max_bytes, IOV_MAX)
         if end == self.pos + 1:
             return end
@@ -64,22 +71,25 @@ class PairState(SoftPairState[Span]):
         self.running = False
         """A thread (the worker, or a poster inline) is executing the head span."""
 
-    def admit_locked(self, batch: WorkBatch) -> bool:
-        """Queue ``batch`` and wake the worker (False: flushed at once, in ERR)."""
+    def admit_locked(self, batch: WorkBatch, whole: bool = False) -> bool:
+        """Queue ``batch`` and wake the worker (False: flushed at once, in ERR). ``whole``: the batch is
+        one chunk (``Span.whole``)."""
         queued = super().admit_locked(batch)
         if queued:
+            self.pending[-1].whole = whole
             self.work_cv.notify()
         return queued
 
-    def admit_inline_locked(self, batch: WorkBatch) -> bool:
+    def admit_inline_locked(self, batch: WorkBatch, whole: bool = False) -> bool:
         """Queue ``batch`` for the poster to run itself: True (and ``running`` set) when the pair is
         idle (RTS, nothing queued, no thread executing, every earlier request's completion polled);
         else it is queued for the worker (or flushed, in ERR) as ``admit_locked`` does, and False."""
         if self.state == QpState.RTS and not self.pending and not self.running and self.used_locked() == 0:
             super().admit_locked(batch)
+            self.pending[-1].whole = whole
             self.running = True
             return True
-        self.admit_locked(batch)
+        self.admit_locked(batch, whole)
         return False
 
     def take_head_locked(self) -> Span | None:

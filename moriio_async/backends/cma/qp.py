@@ -33,6 +33,7 @@ from ..soft.pair import check_shape
 from ..soft.qp import MAX_SEND_WR, MAX_SGE, OnClose, SoftQueuePair
 from .initiator import TargetLink, dial
 from .iov import Mover
+from .kernel import IOV_MAX
 from .pairstate import PairState
 from .regions import LocalTable
 from .target import Connection, TargetPort
@@ -107,18 +108,22 @@ class CmaQueuePair(SoftQueuePair[PairState]):
         """Check and admit ``batch`` whole or not at all; to an idle pair, a batch of at most
         ``inline_bytes`` is executed here and now (see the module docstring), else by the worker."""
         n = len(batch)
-        check_shape(batch, self.max_sge, self.qp_num)
+        uniform = check_shape(batch, self.max_sge, self.qp_num)
         st, ex = self.pair_state, self._executor
-        limit = self._tuning.inline_bytes
-        small = ex is not None and n > 0 and (batch.length.item(0) if n == 1 else int(batch.length.sum())) <= limit
+        payload = (batch.length.item(0) if n == 1 else int(batch.length.sum())) if n else 0
+        # One chunk (the worker's cut would find no boundary): a transfer's batch, usually.
+        whole = (
+            uniform and n <= IOV_MAX and int(batch.sge_start[n]) - int(batch.sge_start[0]) <= IOV_MAX
+            and ex is not None and payload <= ex.round_bytes
+        )  # fmt: skip
         with st.lock:
             self._admit_check_locked(n)
             if not n:
                 return
-            if not small:
-                st.admit_locked(batch)
+            if ex is None or payload > self._tuning.inline_bytes:
+                st.admit_locked(batch, whole)
                 return
-            if not st.admit_inline_locked(batch):
+            if not st.admit_inline_locked(batch, whole):
                 return  # queued for the worker (the pair is busy), or flushed (in ERR)
         assert ex is not None
         try:
