@@ -124,7 +124,7 @@ def test_a_revoked_region_fails_on_either_path_and_nothing_moves(
     pair.b.deregister(stale)
     wcs = pair.run([pair.write(0, 0, 4096, 0), to(stale, pair, 1, opcode, [(0, 4096)], 0), pair.write(2, 0, 4096, 0)],
                    expect=2)  # fmt: skip
-    # The first request (a live region, unsignaled failure aside) succeeds; the revoked one fails, the rest flush.
+    # The first request (a live region) succeeds; the revoked one fails, the rest flush.
     assert outcome(wcs)[0][:2] == (0, WcStatus.SUCCESS)
     assert statuses(wcs[1:]) == [WcStatus.REM_ACCESS_ERR]
     assert wcs[1].vendor_err in (VendorErr.REMOTE_REVOKED, VendorErr.UNKNOWN_RKEY)
