@@ -3,6 +3,7 @@
 
     python benchmarks/samehost.py                      # 64 KiB x 128, 1 MiB x 16, 16 MiB x 4; read and write
     python benchmarks/samehost.py --rounds 5 --json out.json --plot benchmarks/samehost.png
+    python benchmarks/samehost.py --cases 64K:128 --systems "raw pvm" cma --no-mooncake --plot ''
 
 Two real processes per system: a target registers a 256 MiB buffer (and, for cma,
 a 256 MiB shared-memory buffer from ``allocate_memory``); the initiator (this
@@ -155,9 +156,21 @@ def mooncake_batch(engine: Any, target: dict[str, Any], base: int) -> Batch:
 # -- the run --------------------------------------------------------------------------------------
 
 
+def case(text: str) -> tuple[int, int]:
+    """``64K:128`` (block size with an optional K/M suffix, then blocks per batch) as (bytes, blocks)."""
+    size, _, count = text.partition(":")
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:].upper(), 1)
+    try:
+        return int(size.rstrip("kKmM")) * scale, int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not SIZE:BLOCKS (e.g. 64K:128): {text!r}") from None
+
+
 async def measure(systems: dict[str, Batch], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for size, n in CASES:
+    if args.systems:
+        systems = {name: batch for name, batch in systems.items() if name in args.systems}
+    for size, n in args.cases:
         for op in ("read", "write"):
             gbps: dict[str, list[float]] = {name: [] for name in systems}
             for r in range(args.rounds + 1):  # round 0 warms everything up (connections, mappings, pages)
@@ -330,6 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=1, help="batches in flight (moriio_async columns only)")
     parser.add_argument("--threads", type=int, default=2, help="threads for the split-window cma column")
     parser.add_argument("--no-mooncake", action="store_true", help="leave Mooncake out even when installed")
+    parser.add_argument("--cases", nargs="+", type=case, default=CASES, metavar="SIZE:BLOCKS",
+                        help="cells to run (default: 64K:128 1M:16 16M:4)")  # fmt: skip
+    parser.add_argument("--systems", nargs="+", metavar="NAME",
+                        help="columns to measure (e.g. 'raw pvm' cma 'cma shm'; default: all)")  # fmt: skip
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "samehost.png"),
                         help="PNG to write (matplotlib; '' for none)")  # fmt: skip

@@ -105,6 +105,11 @@ class CmaOptions:
     """Threads one window is split over (1: the worker alone)."""
     split_bytes: int = 1 << 20
     """Windows smaller than this are not split."""
+    inline_bytes: int = 8 << 20
+    """A batch of at most this many bytes posted to an idle queue pair (nothing in flight, every earlier
+    completion polled) is copied by the posting thread, the event loop, before ``post`` returns: no
+    thread hand-off either way, at the price of the copy's time on the loop (about 1-2 ms per 8 MiB).
+    Larger batches, and any posted while others are in flight, go to the pair's worker. 0: always the worker."""
     revoke_wait: float = 0.1
     """Seconds a deregistration waits at most for initiators to drop the region (then revoked anyway)."""
     ptracer: str = "peer"
@@ -117,6 +122,7 @@ class CmaOptions:
         check_number("CmaOptions", "round_bytes", self.round_bytes, 64 << 10, 1 << 30)
         check_number("CmaOptions", "threads", self.threads, 1, 64)
         check_number("CmaOptions", "split_bytes", self.split_bytes, 4 << 10, 1 << 30)
+        check_number("CmaOptions", "inline_bytes", self.inline_bytes, 0, 1 << 30)
         if (
             not isinstance(self.revoke_wait, int | float)
             or isinstance(self.revoke_wait, bool)

@@ -34,7 +34,7 @@ from ...errors import InvalidArgument
 from ...status import Access
 from ..base import MemoryRegion
 from ..soft.pair import address_of
-from .table import LIVE, READ, WRITE, seal_fd, seal_writes
+from .table import LIVE, READ, WRITE, first_outside, seal_fd, seal_writes
 from .wire import VendorErr
 
 __all__ = ["Allocation", "CmaRegion", "LocalTable", "address_of", "table_flags"]
@@ -183,12 +183,8 @@ class LocalTable:
                 return 0, VendorErr.UNKNOWN_LKEY
             if write and not region.local_write:
                 return 0, VendorErr.LOCAL_NO_ACCESS
-            start, span = np.uint64(region.addr), np.uint64(region.length)
-            rel = addrs - start
-            within = (addrs >= start) & (rel <= span) & (lengths <= span - rel)
-            if bool(within.all()):
-                return n, VendorErr.NONE
-            return int(np.argmin(within)), VendorErr.LOCAL_OUT_OF_BOUNDS
+            bad = first_outside(addrs, lengths, region.addr, region.length)
+            return bad, VendorErr.NONE if bad == n else VendorErr.LOCAL_OUT_OF_BOUNDS
         uniq, which = np.unique(lkeys, return_inverse=True)
         found = [self.by_lkey.get(k) for k in uniq.tolist()]
         codes = [

@@ -33,7 +33,7 @@ import mmap
 import os
 import secrets
 import threading
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -50,8 +50,10 @@ __all__ = [
     "SLOTS",
     "WRITE",
     "Checked",
+    "Record",
     "RegionTable",
     "TableView",
+    "first_outside",
     "seal_fd",
     "seal_writes",
     "sealed_against_writes",
@@ -61,6 +63,9 @@ RECORD: Final = np.dtype(
     [("rkey", "<u4"), ("flags", "<u4"), ("alloc", "<u4"), ("reserved", "<u4"),
      ("addr", "<u8"), ("length", "<u8"), ("alloc_off", "<u8")]
 )  # fmt: skip
+_NO_RECORDS: Final = np.empty(0, dtype=RECORD)
+Record = tuple[int, int, int, int, int, int, int]
+"""One record's fields, as ``RECORD`` orders them."""
 SLOTS: Final = 1 << 16
 READ: Final = 1
 WRITE: Final = 2
@@ -180,16 +185,43 @@ class RegionTable:
         os.close(self.fd)
 
 
+_HUGE: Final = 1 << 63
+
+
+def first_outside(addrs: U64, lengths: U64, base: int, size: int) -> int:
+    """The first range ``addrs[i], lengths[i]`` not inside ``[base, base + size)``; their count when all are.
+
+    Four reductions when every range is inside (the usual case, checked on the extremes: ends are summed
+    only below 2**63, where uint64 cannot wrap), one pass per element only to find a failure."""
+    n = len(addrs)
+    lo, hi, longest = int(addrs.min()), int(addrs.max()), int(lengths.max())
+    if lo >= base and hi < _HUGE and longest < _HUGE and int((addrs + lengths).max()) <= base + size:
+        return n
+    start, span = np.uint64(base), np.uint64(size)
+    rel = addrs - start  # wraps below the region: those fail addrs >= start
+    inside = (addrs >= start) & (rel <= span) & (lengths <= span - rel)
+    return n if bool(inside.all()) else int(np.argmin(inside))
+
+
 class Checked:
     """Remote ranges checked at once: the first that failed (their count when none did) and why,
-    and for each the table record it used."""
+    and for each the table record it used; or, when every range named one key, ``one``: that
+    record's fields (``records`` is then empty)."""
 
-    __slots__ = ("first_bad", "records", "vendor")
+    __slots__ = ("first_bad", "one", "records", "vendor")
 
-    def __init__(self, first_bad: int, vendor: VendorErr, records: npt.NDArray[np.void]) -> None:
+    def __init__(
+        self,
+        first_bad: int,
+        vendor: VendorErr,
+        records: npt.NDArray[np.void],
+        one: Record | None = None,
+    ) -> None:
         self.first_bad = first_bad
         self.vendor = vendor
         self.records = records
+        self.one = one
+        """(rkey, flags, alloc, reserved, addr, length, alloc_off) of the one slot every range named."""
 
 
 class TableView:
@@ -203,12 +235,17 @@ class TableView:
             raise ValueError(f"not a sealed region table ({st.st_size} bytes, seals {seals:#x})")
         self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         self.records = np.frombuffer(self._map, dtype=RECORD)
+        self._rkeys = self.records["rkey"]
+        self._flags = self.records["flags"]
 
-    def check(self, rkeys: U32, addrs: U64, lengths: U64, write: bool) -> Checked:
-        """Every range against the table: a live slot under the key, inside it, with the access."""
+    def check(self, rkeys: U32, addrs: U64, lengths: U64, write: bool, one_key: bool = False) -> Checked:
+        """Every range against the table: a live slot under the key, inside it, with the access.
+        ``one_key``: the caller knows every range names ``rkeys[0]`` (one record read, not one per range)."""
         n = len(rkeys)
-        if int(self.records["flags"][0]) & CLOSED:  # the target closed its backend (``RegionTable.shut``)
+        if self._flags.item(0) & CLOSED:  # the target closed its backend (``RegionTable.shut``)
             return Checked(0, VendorErr.PEER_CLOSED, np.empty(0, dtype=RECORD))
+        if one_key or n == 1:
+            return self._check_one_key(rkeys.item(0), addrs, lengths, write)
         slots = (rkeys & np.uint32(_MASK)).astype(np.intp)
         first = self.records[slots]  # a copy: the check works on one snapshot
         need = WRITE if write else READ
@@ -232,11 +269,29 @@ class TableView:
                 vendor = VendorErr.REMOTE_OUT_OF_BOUNDS
         return Checked(bad, vendor, first)
 
+    def _check_one_key(self, rkey: int, addrs: U64, lengths: U64, write: bool) -> Checked:
+        slot = rkey & _MASK
+        rec = cast(Record, self.records.item(slot))  # a copy: the check works on one snapshot
+        again = self._rkeys.item(slot)  # the seqlock's second read
+        flags = rec[1]
+        bad, vendor = 0, VendorErr.NONE
+        if rec[0] != rkey or again != rkey:
+            vendor = VendorErr.UNKNOWN_RKEY
+        elif not flags & LIVE:
+            vendor = VendorErr.REMOTE_REVOKED
+        elif not flags & (WRITE if write else READ):
+            vendor = VendorErr.REMOTE_NO_ACCESS
+        else:
+            bad = first_outside(addrs, lengths, rec[4], rec[5])
+            if bad < len(addrs):
+                vendor = VendorErr.REMOTE_OUT_OF_BOUNDS
+        return Checked(bad, vendor, _NO_RECORDS, rec)
+
     def live(self, rkey: int) -> bool:
         """The slot still holds ``rkey`` with some access (after a revocation: False)."""
         slot = rkey & _MASK
         return int(self.records["rkey"][slot]) == rkey and bool(int(self.records["flags"][slot]) & LIVE)
 
     def close(self) -> None:
-        del self.records
+        del self.records, self._rkeys, self._flags
         self._map.close()

@@ -28,23 +28,30 @@ _OPCODES = {int(o): o for o in Opcode}
 _SUCCESS = WcStatus.SUCCESS
 
 
-def check_shape(batch: WorkBatch, max_sge: int, qp_num: int) -> None:
+def check_shape(batch: WorkBatch, max_sge: int, qp_num: int) -> bool:
     """What a post refuses before anything is admitted: an opcode other than RDMA READ and WRITE,
-    and a request with more than ``max_sge`` scatter entries. Raises InvalidArgument."""
+    and a request with more than ``max_sge`` scatter entries. Raises InvalidArgument. True when
+    every request has the same opcode (as a transfer's batch does)."""
     n = len(batch)
-    ops = batch.opcode
+    if not n:
+        return True
+    ops, starts = batch.opcode, batch.sge_start
+    first = ops.item(0)
     if n == 1:  # the single read or write: plain integers, no array work
-        op = ops.item(0)
-        if op != _WRITE and op != _READ:
-            raise InvalidArgument(f"unsupported opcode {op}")
-        if int(batch.sge_start[1]) - int(batch.sge_start[0]) > max_sge:
-            raise InvalidArgument(f"{int(batch.sge_start[1])} SGEs, qp {qp_num} takes at most {max_sge}")
-    elif n:
-        if not bool(((ops == _WRITE) | (ops == _READ)).all()):
+        uniform = True
+        most = int(starts[1]) - int(starts[0])
+    else:
+        uniform = bool((ops == first).all())
+        if not uniform and not bool(((ops == _WRITE) | (ops == _READ)).all()):
             raise InvalidArgument(f"unsupported opcode {int(ops[(ops != _WRITE) & (ops != _READ)][0])}")
-        most = int(np.diff(batch.sge_start).max())
+        most = int(starts[n]) - int(starts[0])  # every request's entries at most: all of them
         if most > max_sge:
-            raise InvalidArgument(f"{most} SGEs, qp {qp_num} takes at most {max_sge}")
+            most = int((starts[1 : n + 1] - starts[:n]).max())
+    if uniform and first != _WRITE and first != _READ:
+        raise InvalidArgument(f"unsupported opcode {first}")
+    if most > max_sge:
+        raise InvalidArgument(f"{most} SGEs, qp {qp_num} takes at most {max_sge}")
+    return uniform
 
 
 def fold_successes(batch: WorkBatch, a: int, b: int, uncovered: int, qp_num: int) -> tuple[Completions, int]:
