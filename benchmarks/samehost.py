@@ -243,6 +243,7 @@ async def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]
             columns: list[tuple[str, str, CmaOptions]] = [
                 ("cma", "cma", CmaOptions()),
                 (f"cma x{args.threads}", "cma", CmaOptions(threads=args.threads)),
+                ("cma worker", "cma", CmaOptions(inline_bytes=0)),  # every batch copied by the pair's worker
                 ("tcp", "tcp", CmaOptions()),
             ]
             for label, backend, cma in columns:
@@ -269,7 +270,7 @@ async def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]
                 notes.append("Mooncake: left out (not installed, or --no-mooncake)")
             rows = await measure(systems, args)
             await engines[0].notify("bench-cma-target", b"done")
-            await engines[2].notify("bench-tcp-target", b"done")
+            await engines[-1].notify("bench-tcp-target", b"done")
         finally:
             for engine in engines:
                 await engine.close()

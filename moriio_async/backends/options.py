@@ -105,11 +105,14 @@ class CmaOptions:
     """Threads one window is split over (1: the worker alone)."""
     split_bytes: int = 1 << 20
     """Windows smaller than this are not split."""
-    inline_bytes: int = 8 << 20
+    inline_bytes: int = 1 << 20
     """A batch of at most this many bytes posted to an idle queue pair (nothing in flight, every earlier
     completion polled) is copied by the posting thread, the event loop, before ``post`` returns: no
-    thread hand-off either way, at the price of the copy's time on the loop (about 1-2 ms per 8 MiB).
-    Larger batches, and any posted while others are in flight, go to the pair's worker. 0: always the worker."""
+    thread hand-off either way, at the price of the copy's time on the loop (about 0.1-0.2 ms per MiB).
+    Larger batches, and any posted while others are in flight, go to the pair's worker. 0: always the worker.
+    Why only 1 MiB by default: copies on the loop are serial, so a loop posting to several idle pairs at once
+    (a decode engine reading from several prefill peers) would copy one after another what the pairs'
+    workers copy side by side, and a longer copy delays every other callback of the loop by as much."""
     revoke_wait: float = 0.1
     """Seconds a deregistration waits at most for initiators to drop the region (then revoked anyway)."""
     ptracer: str = "peer"
