@@ -16,10 +16,14 @@ Reported, from the target's ``/proc/<pid>/status`` and ``/proc/<pid>/fd``:
   memory per idle peer: (RSS with N peers - RSS before any) / N;
 * the time to connect all N: from telling every peer process to go to the
   last one's report (each peer: ``connect`` then ``create_session``, all
-  of a process's peers at once);
+  of a process's peers at once), and the target's CPU time (user and
+  system, ``/proc/<pid>/stat``) over it per peer (``cpu_ms_conn``): the peers' own processes
+  share the machine, so on a busy host the time says more about them;
 * the aggregate 4 KiB READ rate with every peer active (``depth`` each, so
   ``N x depth`` in flight, at least ``--inflight``), and, in the same run,
-  the rate of one peer alone with that same total in flight; their ratio.
+  the rate of one peer alone with that same total in flight, in ABBA rounds
+  of ``--seconds`` each (``--rounds``); medians, and the median of the
+  per-round ratios.
 
 Every peer dials from 127.0.0.1, so the target's caps on links and hellos (in
 all and per address: ``max_links``, ``max_links_per_address``, ``max_hellos``,
@@ -39,6 +43,7 @@ import json
 import os
 import resource
 import select
+import statistics
 import subprocess
 import sys
 import time
@@ -90,19 +95,20 @@ def _say(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-async def run_target(peers: int, defaults: bool) -> None:
+async def run_target(peers: int, defaults: bool, reactor_threads: int | None) -> None:
     import numpy as np
 
     from moriio_async import IOEngine, IOEngineConfig
     from moriio_async.backends.options import TcpOptions
 
+    own = {} if reactor_threads is None else {"reactor_threads": reactor_threads}
     if defaults:
-        config = IOEngineConfig(backend="tcp", host="127.0.0.1")
+        config = IOEngineConfig(backend="tcp", host="127.0.0.1", tcp=TcpOptions(**own))
     else:  # every cap on links and hellos (in all, and per address) raised for N peers from 127.0.0.1
         n = max(1024, 2 * peers)
         config = IOEngineConfig(backend="tcp", host="127.0.0.1", max_links=n, max_links_per_address=n, max_hellos=n,
                                 max_hellos_per_address=n, max_peers=n,
-                                tcp=TcpOptions(max_data_hellos=n, max_data_hellos_per_address=n))  # fmt: skip
+                                tcp=TcpOptions(max_data_hellos=n, max_data_hellos_per_address=n, **own))  # fmt: skip
     engine = await IOEngine("target", config).start()
     buf = np.ones(BUF, dtype=np.uint8)
     engine.register_memory(buf, name="buf")
@@ -170,6 +176,13 @@ async def lane(session: Any, slot: int, until: float) -> int:
 # -- the parent --------------------------------------------------------------------------------------
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU the process has used (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_figures(pid: int) -> dict[str, int]:
     status = {}
     with open(f"/proc/{pid}/status") as f:
@@ -216,8 +229,10 @@ class Child:
                 self.proc.wait()
 
 
-def one_size(tree: str | None, n: int, procs: int, inflight: int, seconds: float, defaults: bool) -> dict[str, float]:
-    target = Child(tree, ["--role", "target", "--count", str(n), *(["--defaults"] if defaults else [])])
+def one_size(
+    tree: str | None, n: int, procs: int, inflight: int, seconds: float, rounds: int, extra: list[str]
+) -> dict[str, Any]:
+    target = Child(tree, ["--role", "target", "--count", str(n), *extra])
     children: list[Child] = []
     try:
         address = target.read()["address"]
@@ -231,20 +246,21 @@ def one_size(tree: str | None, n: int, procs: int, inflight: int, seconds: float
             first += k
         for c in children:
             c.read()  # ready: its engines are up
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds(target.proc.pid)
         for c in children:
             c.send("connect")
         failed = [r for r in (c.read() for c in children) if r["failed"]]
         if failed:
             raise RuntimeError(f"{sum(r['failed'] for r in failed)} peer(s) did not connect: {failed[0]['why']}")
         connect_s = time.perf_counter() - t0
+        connect_cpu = cpu_seconds(target.proc.pid) - cpu0
         time.sleep(1.0)
         idle = proc_figures(target.proc.pid)
         depth = max(1, -(-inflight // n))
         total = depth * n
-        rates: dict[str, float] = {}
+        per: dict[str, list[float]] = {"all": [], "one": []}
         errors, why = 0, []
-        for mode in ("all", "one", "all", "one"):  # alternating: neither always runs first
+        for mode in ("all", "one", "one", "all") * rounds:  # ABBA: neither always runs first
             if mode == "all":
                 for c, k in zip(children, split, strict=True):
                     c.send(f"run {k} {depth} {seconds}")
@@ -255,12 +271,15 @@ def one_size(tree: str | None, n: int, procs: int, inflight: int, seconds: float
             rate = sum(r["ops"] / r["seconds"] for r in replies)
             errors += sum(r["errors"] for r in replies)
             why = why or next((r["why"] for r in replies if r["errors"]), [])
-            rates[mode] = rates.get(mode, 0.0) + rate / 2
+            per[mode].append(rate)
+        rates = {mode: statistics.median(r) for mode, r in per.items()}
+        ratios = [a / o for a, o in zip(per["all"], per["one"], strict=True)]
         return {
             "peers": n, "threads": idle["threads"], "fds": idle["fds"], "rss_mb": idle["rss_kb"] / 1024,
             "kb_per_peer": (idle["rss_kb"] - before["rss_kb"]) / n, "connect_s": connect_s,
+            "cpu_ms_conn": 1e3 * connect_cpu / n,
             "in_flight": total, "rate_all": rates["all"], "rate_one": rates["one"],
-            "ratio": rates["all"] / rates["one"], "errors": errors, "why": why,
+            "ratio": statistics.median(ratios), "errors": errors, "why": why,
         }  # fmt: skip
     finally:
         for c in children:
@@ -275,6 +294,7 @@ COLUMNS = (
     "rss_mb",
     "kb_per_peer",
     "connect_s",
+    "cpu_ms_conn",
     "in_flight",
     "rate_all",
     "rate_one",
@@ -317,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", type=int, nargs="+", default=[1, 100, 500, 1000])
     ap.add_argument("--procs", type=int, default=4, help="peer processes (peers spread evenly)")
     ap.add_argument("--inflight", type=int, default=64, help="least total READs in flight")
-    ap.add_argument("--seconds", type=float, default=2.0, help="per rate measurement")
+    ap.add_argument("--seconds", type=float, default=1.0, help="per rate measurement")
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of all peers / one peer (medians)")
     ap.add_argument("--trees", nargs="+", help="checkouts to import moriio_async from, alternating")
     ap.add_argument("--plot", help="save a plot of rate and threads against peers here")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--defaults", action="store_true", help="the target with its tree's default caps")
+    ap.add_argument("--reactor-threads", type=int, help="TcpOptions.reactor_threads on the target (trees that have it)")
     ap.add_argument("--role", choices=["target", "peers"], help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
@@ -329,16 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _raise_nofile()
     if args.role == "target":
-        asyncio.run(run_target(args.count, args.defaults))
+        asyncio.run(run_target(args.count, args.defaults, args.reactor_threads))
         return 0
     if args.role == "peers":
         asyncio.run(run_peers(args.address, args.count, args.first))
         return 0
-    trees: list[str | None] = [os.path.abspath(t) for t in args.trees] if args.trees else [None]
+    # Without --trees: this checkout (not whatever moriio_async the interpreter would find installed).
+    trees: list[str | None] = [os.path.abspath(t) for t in args.trees or [os.path.dirname(os.path.dirname(HERE))]]
     rows: list[dict[str, Any]] = []
     for i, n in enumerate(args.peers):
         for tree in trees if i % 2 == 0 else trees[::-1]:
-            row = one_size(tree, n, args.procs, args.inflight, args.seconds, args.defaults)
+            extra = (["--defaults"] if args.defaults else []) + (
+                [] if args.reactor_threads is None else ["--reactor-threads", str(args.reactor_threads)]
+            )
+            row = one_size(tree, n, args.procs, args.inflight, args.seconds, args.rounds, extra)
             row["tree"] = os.path.basename(tree.rstrip("/")) if tree else "."
             rows.append(row)
             print_rows([row], header=len(rows) == 1)

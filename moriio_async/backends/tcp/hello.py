@@ -15,6 +15,7 @@ and the connection closed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import time
 from typing import Protocol
@@ -38,6 +39,9 @@ class HelloDesk(Protocol):
 
     def claim(self, token: bytes) -> PairState | None:
         """The passive pair ``token`` names, once."""
+
+    def shard(self) -> Reactor:
+        """The reactor to serve one more connection (the one serving the fewest)."""
 
 
 class Greeting:
@@ -119,14 +123,23 @@ class Greeting:
             self._refuse(HelloStatus.BAD_VERSION)
             return
         st = self._desk.claim(token)
-        responder = None if st is None else Responder(self.sock, st, self.guard, self.retry_timeout, self.reactor)
+        shard = self._desk.shard()
+        responder = None if st is None else Responder(self.sock, st, self.guard, self.retry_timeout, shard)
         if st is None or responder is None or not st.attach(responder):
             self.guard.refused_token(self.host)
             self._refuse(HelloStatus.UNKNOWN_TOKEN)
             return
         with contextlib.suppress(OSError):  # the peer is gone: the responder finds out at its first call
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        responder.start(HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, st.qp_num))  # takes the fd over
+        ack = HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, st.qp_num)
+        if shard is self.reactor:
+            responder.start(ack)  # takes the fd over
+            return
+        # Another reactor's thread serves it from now on: this one lets go of the fd first. The shards
+        # stop after this reactor, so the call is never refused; a stop that comes first wins (start
+        # then does nothing).
+        self.reactor.unwatch(self.sock.fileno())
+        shard.call_soon(functools.partial(responder.start, ack))
 
     def _refuse(self, status: HelloStatus) -> None:
         with contextlib.suppress(OSError):

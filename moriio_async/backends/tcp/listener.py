@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import threading
 import time
@@ -100,7 +101,10 @@ class Listener:
                 f"tcp backend: cannot listen on {options.host!r}: {exc}",
                 hint="set BackendOptions.host (IOEngineConfig.host) to an address of this machine",
             ) from exc
-        self.reactor = Reactor(f"moriio-tcp-nic-{self.port}")
+        count = self.own.reactor_threads or min(4, os.cpu_count() or 1)
+        self.reactors = [Reactor(f"moriio-tcp-nic-{self.port}-{i}") for i in range(count)]
+        """Each serves a share of the accepted connections; the first also accepts and hears the hellos."""
+        self.reactor = self.reactors[0]
         self.reactor.call_soon(self._watch_port)
 
     @property
@@ -114,7 +118,9 @@ class Listener:
             if self._closed:
                 return
             self._closed = True
-        self.reactor.stop(self._closing)
+        self.reactor.stop(self._closing)  # first: no connection is handed to another reactor after it
+        for reactor in self.reactors[1:]:
+            reactor.stop(_nothing)
         self._sock.close()
 
     def _closing(self) -> None:
@@ -164,6 +170,9 @@ class Listener:
     def claim(self, token: bytes) -> PairState | None:
         return self.expected.claim(token)
 
+    def shard(self) -> Reactor:
+        return min(self.reactors, key=lambda r: r.watched)
+
     @property
     def _hello_deadline(self) -> float:
         return min(self.options.hello_timeout, self.options.connect_timeout)
@@ -189,6 +198,10 @@ class Listener:
             silent = [g for g, (_, _, said) in self._hellos.items() if not said]
             take(silent or list(self._hellos))
         return evicted
+
+
+def _nothing() -> None:
+    pass
 
 
 def _talking(sock: socket.socket) -> bool:

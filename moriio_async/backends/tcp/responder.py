@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...status import Opcode, WcStatus
-from .connection import DESCS, HEAD, HOOK, SENDING, Connection
+from .connection import CLOSED, DESCS, HEAD, HOOK, SENDING, Connection
 from .guard import DataGuard
 from .hooks import Fault
 from .iov import address, iovecs
@@ -83,7 +83,9 @@ class Responder(Connection):
         self._hooks: queue.SimpleQueue[_Job | None] | None = None
 
     def start(self, ack: bytes) -> None:
-        """On the reactor's thread: send the hello's ``ack``, then serve chunks."""
+        """On the reactor's thread: send the hello's ``ack``, then serve chunks (unless stopped already)."""
+        if self.phase == CLOSED:
+            return
         self.send(Pending(len(ack), [ack]), self._next_chunk)
         self.reactor.watch(self.fd, self, 0)
         self.pump()
