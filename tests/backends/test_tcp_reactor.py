@@ -18,6 +18,7 @@ import pytest
 
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend
+from moriio_async.backends.tcp import TcpOptions
 from moriio_async.backends.tcp.regions import TcpRegion
 from moriio_async.status import Access
 
@@ -42,7 +43,8 @@ class Pairs:
 @contextmanager
 def pairs(n: int, **options: object) -> Iterator[Pairs]:
     """A backend with one 64 KiB exported region and ``n`` passive pairs waiting for their dial."""
-    backend = open_backend("tcp", make_options("tcp", **options))  # type: ignore[arg-type]
+    own = {k: options.pop(k) for k in list(options) if k in TcpOptions.__dataclass_fields__}
+    backend = open_backend("tcp", make_options("tcp", **options, specific=TcpOptions(**own)))  # type: ignore[arg-type]
     try:
         buf = (np.arange(1 << 16) % 251).astype(np.uint8)
         mr = backend.register_memory(memoryview(buf), Access.all())
@@ -94,6 +96,21 @@ def test_the_target_threads_stay_the_same_as_connections_grow() -> None:
                 r = dw.response(sock)
                 assert (r.status, r.seq, r.done, r.payload) == (dw.OK, i, 1, 8)
                 assert dw.recv_exactly(sock, 8) == p.buf[8 * i : 8 * i + 8].tobytes()
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+@pytest.mark.parametrize("reactors", [1, 3])
+def test_reactor_threads_set_how_many_threads_serve_the_connections(reactors: int) -> None:
+    with pairs(6, reactor_threads=reactors) as p:
+        assert p.backend.describe().threads.startswith(f"reactors {reactors} ")
+        names = {th.name for th in threading.enumerate()}
+        assert sum(f"moriio-tcp-nic-{p.port}-" in name for name in names) == reactors
+        socks = [dw.dial(p.port, token)[0] for token in p.tokens]
+        try:
+            for i, sock in enumerate(socks):  # shared between the reactors, each one served
+                served(p, sock, 2 * i, 4096 * i)
         finally:
             for sock in socks:
                 sock.close()

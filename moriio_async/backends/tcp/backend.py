@@ -1,9 +1,9 @@
 """TcpBackend: a software NIC over TCP.
 
-Threads, per backend: one reactor thread that accepts and serves every
-accepted connection, readiness-driven on non-blocking sockets, so a target's
-threads do not grow with its peers (``reactor.py``, ``listener.py``,
-``responder.py``); per active queue pair: a sender and a receiver
+Threads, per backend: ``TcpOptions.reactor_threads`` reactor threads that
+accept and serve every accepted connection, readiness-driven on non-blocking
+sockets, so a target's threads do not grow with its peers (``reactor.py``,
+``listener.py``, ``responder.py``); per active queue pair: a sender and a receiver
 (``sender.py``, ``receiver.py``); per answering pair with fault hooks, a
 thread for its hooks (which may block). None of them
 touches asyncio, so a peer serves one-sided reads and writes of its memory
@@ -99,7 +99,8 @@ class TcpBackend(SoftBackend[TcpQueuePair]):
             sq_depth=sq_depth,
             max_sge=max_sge,
             retry_timeout=self.options.retry_timeout,
-            threads="reactor 1 (accepts and serves every accepted connection); per active qp: send + recv",
+            threads=f"reactors {len(self.listener.reactors)} (serving every accepted connection; the first accepts); "
+            "per active qp: send + recv",
             data_plane=self.guard.snapshot(),
         )
 

@@ -123,9 +123,17 @@ class Greeting:
             self._refuse(HelloStatus.BAD_VERSION)
             return
         st = self._desk.claim(token)
+        if st is None:
+            self.guard.refused_token(self.host)
+            self._refuse(HelloStatus.UNKNOWN_TOKEN)
+            return
         shard = self._desk.shard()
-        responder = None if st is None else Responder(self.sock, st, self.guard, self.retry_timeout, shard)
-        if st is None or responder is None or not st.attach(responder):
+        if shard is not self.reactor:
+            # Another reactor's thread serves it from now on: this one lets go of the fd before the pair
+            # takes the responder, whose stop (from any thread) may close the socket from then on.
+            self.reactor.unwatch(self.sock.fileno())
+        responder = Responder(self.sock, st, self.guard, self.retry_timeout, shard)
+        if not st.attach(responder):
             self.guard.refused_token(self.host)
             self._refuse(HelloStatus.UNKNOWN_TOKEN)
             return
@@ -134,12 +142,8 @@ class Greeting:
         ack = HELLO_ACK.pack(MAGIC, VERSION, HelloStatus.OK, st.qp_num)
         if shard is self.reactor:
             responder.start(ack)  # takes the fd over
-            return
-        # Another reactor's thread serves it from now on: this one lets go of the fd first. The shards
-        # stop after this reactor, so the call is never refused; a stop that comes first wins (start
-        # then does nothing).
-        self.reactor.unwatch(self.sock.fileno())
-        shard.call_soon(functools.partial(responder.start, ack))
+        else:  # the shards stop after this reactor, so this is never refused; a stop that came first wins
+            shard.call_soon(functools.partial(responder.start, ack))
 
     def _refuse(self, status: HelloStatus) -> None:
         with contextlib.suppress(OSError):
