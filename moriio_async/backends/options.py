@@ -31,6 +31,10 @@ class TcpOptions:
     one in its hello, a silent one first (counted in ``statistics().data_plane["evicted_hellos"]``)."""
     max_data_hellos_per_address: int = 32
     """Of those, from one remote address (the oldest from there that had half its deadline makes room)."""
+    reactor_threads: int = 0
+    """Threads that serve the accepted data connections, each a share of them (readiness-driven: the number
+    does not grow with the peers); 0: one per core, at most 4. More than one lets the kernel's socket copies of
+    different peers run on different cores."""
     hooks: object = None
     """Fault injection: a ``backends.tcp.Hooks`` the NIC threads call (its type is checked at open: this
     module imports no backend)."""
@@ -40,6 +44,7 @@ class TcpOptions:
     def __post_init__(self) -> None:
         for name in ("max_data_hellos", "max_data_hellos_per_address"):
             check_number("TcpOptions", name, getattr(self, name), 1, 1 << 20)
+        check_number("TcpOptions", "reactor_threads", self.reactor_threads, 0, 64)
         if self.hooks is not None and self.fault_plan is not None:
             raise InvalidArgument("TcpOptions takes hooks or fault_plan, not both")
         if self.fault_plan is not None and not isinstance(self.fault_plan, FaultPlan):

@@ -163,7 +163,7 @@ async def _target(args: argparse.Namespace, plan: FaultPlan) -> int:
 
     def on_term(signum: int, frame: object) -> None:
         # A plain handler, not loop.add_signal_handler: closing a stalled answering pair joins its
-        # responder thread on the loop thread, so the loop may be blocked right now; this runs anyway
+        # hook thread on the loop thread, so the loop may be blocked right now; this runs anyway
         # (the join's lock wait is interrupted) and the release lets that join finish.
         hooks.release()
         loop.call_soon_threadsafe(stop.set)

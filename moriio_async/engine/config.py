@@ -64,13 +64,14 @@ class IOEngineConfig:
     secret: bytes | str | None = field(default=None, repr=False)
     """Shared secret peers must prove in the hello (at least 16 bytes); None reads ``$MORIIO_ASYNC_SECRET``,
     and ``""`` turns authentication off even when that variable is set. Never sent, never printed."""
-    max_links: int = 512
+    max_links: int = 4096
     """Control links accepted at once, in all. At the cap, a new connection closes one still in its hello, else
     the link idle the longest (hello said, carrying nothing, idle for half ``hello_timeout``: its peer dials
     again when it needs it); if there is neither, it is refused at accept."""
-    max_links_per_address: int = 64
+    max_links_per_address: int = 1024
     """Control links accepted at once from one remote address (the same: one in its hello from there makes
-    room, else a refusal)."""
+    room, else a refusal). High enough for a host running many engines (a worker per GPU, containers behind one
+    NAT address, a single-machine fleet): lower it where every peer has an address of its own."""
     hello_timeout: float = 5.0
     """Seconds an accepted connection (control or TCP data port) has to complete its hello, proof included,
     from the accept (at most ``control_timeout``); then it is closed."""

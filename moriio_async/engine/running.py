@@ -23,6 +23,7 @@ from ..control.links import LinkLimits
 from ..control.peers import PeerTable
 from ..core.auth import SECRET_ENV
 from .config import IOEngineConfig
+from .fdlimit import raise_fd_limit
 from .memory import MemoryRegistry
 from .transports import Transport, Transports
 
@@ -62,6 +63,7 @@ class Running:
         guard: Guard,
     ) -> Running:
         """Build the collaborators on open backends (best first); on failure nothing built is left open."""
+        raise_fd_limit(config.max_links)  # every link may bring a data connection or two
         transports = Transports(backends, max(1024, config.sq_depth * 8))
         try:
             router = CompletionRouter(loop, transports.primary.cq)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from moriio_async.backends.tcp import VendorErr
-from moriio_async.backends.tcp.guard import DataGuard
-from moriio_async.backends.tcp.responder import Responder
+from moriio_async.backends.tcp.connection import Connection
+from moriio_async.backends.tcp.reactor import Reactor
 from moriio_async.status import WcStatus
 
 from . import datawire as dw
@@ -83,13 +83,17 @@ def test_an_abort_after_the_socket_call_ended_leaves_the_connection_serving() ->
     bytes are in, its answer and unpin come next) must not have its socket shut, or the chunks after
     it are served on a read-shut socket and their refusal can be beaten by a reset."""
     ours, theirs = socket.socketpair()
-    with ours, theirs:
-        responder = Responder(ours, DataGuard(), 5.0)
-        responder.abort()  # not inside a socket call on a pinned region
-        theirs.sendall(b"request")
-        assert ours.recv(16) == b"request"
-        ours.sendall(b"answer")
-        assert theirs.recv(16) == b"answer"
+    reactor = Reactor("test-reactor")
+    try:
+        with ours, theirs:
+            connection = Connection(ours, 5.0, reactor)
+            connection.abort()  # not between pinning a chunk's regions and the end of its moves on them
+            theirs.sendall(b"request")
+            assert ours.recv(16) == b"request"
+            ours.sendall(b"answer")
+            assert theirs.recv(16) == b"answer"
+    finally:
+        reactor.stop(lambda: None)
 
 
 def test_a_request_after_deregistration_fails_with_rem_access_err() -> None:

@@ -161,7 +161,7 @@ def dial_from(source: str, port: int, token: bytes, qp_num: int = 7) -> int | No
 def test_token_guesses_past_the_budget_each_wait_and_an_honest_dial_from_there_still_gets_in() -> None:
     """Issue 23: 2,800-3,500 token guesses a second, unlimited. Each unknown token is a failure charged to its
     source: past max_failures_per_source every new connection from there waits a quarter of the hello
-    deadline before it is heard (on its own thread), so each guess costs the guesser that long; a real dial
+    deadline before it is heard (a timer, not a thread), so each guess costs the guesser that long; a real dial
     from the same address (every local process is 127.0.0.1) is delayed, not refused."""
     with target(max_failures_per_source=8, failure_lockout=60.0, hello_timeout=0.8) as t:
         answered = [dial_from("127.0.0.2", t.port, i.to_bytes(16, "big")) for i in range(20)]
@@ -326,14 +326,11 @@ def test_hellos_under_way_are_capped_and_the_oldest_makes_room(cap: int) -> None
             for s in idle:
                 s.close()
         t.qp.close()
+        reactors = t.backend.listener.reactors  # type: ignore[attr-defined]
         deadline = time.monotonic() + 10
-        while _responder_threads() and time.monotonic() < deadline:
+        while sum(r.watched for r in reactors) > 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not _responder_threads(), "every thread the hostile connections held has ended"
-
-
-def _responder_threads() -> list[threading.Thread]:
-    return [th for th in threading.enumerate() if th.name.startswith("moriio-tcp-resp") and th.is_alive()]
+        assert sum(r.watched for r in reactors) == 1, "every connection the hostile sockets held has ended"
 
 
 def test_passive_close_does_not_join_its_responder() -> None:
@@ -341,7 +338,7 @@ def test_passive_close_does_not_join_its_responder() -> None:
 
     class Stuck(Hooks):
         def on_request(self, qp_num: int, opcode: int, rkey: int, remote_addr: int, length: int) -> None:
-            release.wait(10)  # the responder thread is busy in here
+            release.wait(10)  # the connection's hook thread is busy in here
 
     with target() as t:
         t.qp.hooks = Stuck()  # type: ignore[attr-defined]
@@ -349,7 +346,7 @@ def test_passive_close_does_not_join_its_responder() -> None:
         assert status == dw.OK
         sock.sendall(dw.chunk(dw.READ, 0, (t.mr.rkey, t.mr.addr, 8)))
         time.sleep(0.2)
-        responders = [th for th in threading.enumerate() if th.name.startswith("moriio-tcp-resp")]
+        responders = [th for th in threading.enumerate() if th.name.startswith("moriio-tcp-hooks")]
         assert responders
         started = time.perf_counter()
         t.qp.close()

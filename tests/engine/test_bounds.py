@@ -245,7 +245,7 @@ async def test_deeply_nested_frames_from_many_connections_leave_nothing(
         assert await closed_by_peer(reader)
         await close(writer)
 
-    for _ in range(40):  # 25 at a time: within max_links_per_address (64)
+    for _ in range(40):  # 25 at a time: within max_links_per_address
         await asyncio.gather(*(one(after_hello=bool(i % 2)) for i in range(25)))
     await until(lambda: b.statistics().peers.links == baseline.peers.links)
     stats = b.statistics()

@@ -15,6 +15,7 @@ from moriio_async.core.faultplan import FaultPlan
     ("make", "field"),
     [
         (lambda: TcpOptions(max_data_hellos=0), "TcpOptions.max_data_hellos"),
+        (lambda: TcpOptions(reactor_threads=65), "TcpOptions.reactor_threads"),
         (lambda: VerbsOptions(ib_port=0), "VerbsOptions.ib_port"),
         (lambda: VerbsOptions(retry_cnt=8), "VerbsOptions.retry_cnt"),
         (lambda: CmaOptions(threads=65), "CmaOptions.threads"),

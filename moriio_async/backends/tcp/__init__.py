@@ -4,8 +4,11 @@ Modules, one noun each: ``wire`` (the format), ``iov`` (vectored socket I/O
 over iovec arrays), ``regions`` (the region table and a NIC's checks, over
 whole arrays), ``pairstate`` (a queue pair's locked state: spans, chunks,
 counters, in-order completion, the move to ERR), ``sender`` and ``receiver``
-(the active side's two threads), ``responder`` (serving one accepted
-connection), ``listener`` (the data port and the rendezvous), ``qp`` and
+(the active side's two threads), ``reactor`` (the one thread serving every
+accepted connection, readiness-driven), ``hello`` (a connection in its
+hello), ``connection`` and ``responder`` (serving one accepted connection:
+its socket's phases, and the NIC's answers), ``pending`` (resumable
+non-blocking moves), ``listener`` (the data port and the rendezvous), ``qp`` and
 ``backend`` (the contract's faces, on ``backends/soft``'s skeleton), ``hooks`` and ``faults`` (fault-injection
 seams, and fault plans applied at them).
 """

@@ -1,8 +1,11 @@
 """TcpBackend: a software NIC over TCP.
 
-Threads, per backend: the listener's accept thread and one thread per
-accepted connection (``listener.py``, ``responder.py``); per active queue
-pair: a sender and a receiver (``sender.py``, ``receiver.py``). None of them
+Threads, per backend: ``TcpOptions.reactor_threads`` reactor threads that
+accept and serve every accepted connection, readiness-driven on non-blocking
+sockets, so a target's threads do not grow with its peers (``reactor.py``,
+``listener.py``, ``responder.py``); per active queue pair: a sender and a receiver
+(``sender.py``, ``receiver.py``); per answering pair with fault hooks, a
+thread for its hooks (which may block). None of them
 touches asyncio, so a peer serves one-sided reads and writes of its memory
 while its event loop is busy or blocked. The posting thread itself writes
 READs and small WRITEs when the sender is idle (the doorbell); every copy of
@@ -96,7 +99,8 @@ class TcpBackend(SoftBackend[TcpQueuePair]):
             sq_depth=sq_depth,
             max_sge=max_sge,
             retry_timeout=self.options.retry_timeout,
-            threads="accept 1; per active qp: send + recv; per accepted connection: 1",
+            threads=f"reactors {len(self.listener.reactors)} (serving every accepted connection; the first accepts); "
+            "per active qp: send + recv",
             data_plane=self.guard.snapshot(),
         )
 

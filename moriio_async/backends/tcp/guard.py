@@ -1,7 +1,7 @@
 """What peers did wrong on one backend's data plane: counted for ``describe()``, logged without flooding.
 
-The listener's thread for an accepted connection and the responders report
-here: a hello that was not one (bad magic, version, or too slow: the
+The reactor's thread serving accepted connections (their hellos and their
+chunks) reports here: a hello that was not one (bad magic, version, or too slow: the
 per-message deadline), a token nobody waits for (guessed, replayed, or for a
 pair closed meanwhile), connections in their hello closed to make room,
 requests the target's checks refused, and receives aborted by a

@@ -4,7 +4,8 @@
 and rings the doorbell when the sender is idle (``sender.ring``); the sender
 and receiver threads (``sender.py``, ``receiver.py``) take only the pair
 state and the socket. The passive side's connection is served by the
-listener's thread for it (``listener.py``, ``responder.py``).
+backend's reactor thread, with every other accepted one (``listener.py``,
+``responder.py``).
 
 Tokens: with a session key (``bind_session``: the key of the authenticated
 control link the pair is set up over), the passive pair's endpoint carries a
@@ -179,8 +180,8 @@ class TcpQueuePair(SoftQueuePair[PairState]):
         st = self.pair_state
         self._listener.expected.forget(self.token)
         if st.responder is not None:
-            # Not joined: close may run on the event loop, and the responder's thread ends on its own
-            # once its socket is shut (the listener keeps it, and the backend's close joins it).
+            # Not joined: close may run on the event loop; the reactor ends service once the socket is
+            # shut (and a hook thread of its own, if any, is joined by the backend's close).
             st.responder.stop()
             return
         self._join_threads()

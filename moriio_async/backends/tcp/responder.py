@@ -1,369 +1,354 @@
-"""The passive side: serving one accepted data connection, playing the target's NIC.
+"""The passive side: one accepted data connection's state machine, playing the target's NIC.
 
 Requests arrive as chunks (``wire.py``). A chunk's remote ranges are checked
 together (rkey, bounds, access, region alive: ``RegionTable.check_remote``)
-and its target regions pinned; a WRITE chunk's payloads are received with one
-``recvmsg`` per up to IOV_MAX blocks straight into the target regions, a READ
-chunk's response header and payloads go out with one ``sendmsg`` straight
-from them. A violation touches no target byte: the requests before it run,
-the response says REM_ACCESS_ERR for it, and service on the connection ends
-(the rest of the stream is drained, for at most ``retry_timeout``), as a
-verbs responder's QP enters the error state; the refusal is counted and
-reported (``DataGuard.access_error``).
+and its target regions pinned; a WRITE chunk's payloads are received with
+``recvmsg`` straight into the target regions, a READ chunk's response header
+and payloads go out with ``sendmsg`` straight from them. A violation touches
+no target byte: the requests before it run, the response says REM_ACCESS_ERR
+for it, and service on the connection ends (the rest of the stream is
+drained, for at most ``retry_timeout``), as a verbs responder's QP enters the
+error state; the refusal is counted and reported (``DataGuard.access_error``).
 
-Every chunk has one total deadline from its first byte (``iov.Deadline``:
-``retry_timeout`` plus its payload at ``MIN_RATE``), so a peer that spaces
-its bytes out cannot hold the thread, or a pinned region, for longer.
-Deregistering a region this responder is receiving into or sending from
-calls ``abort`` (``regions.Abortable``): the socket is shut down, the call
-returns at once, the region is unpinned, and an aborted WRITE is answered
-with REM_ACCESS_ERR (REMOTE_DEREGISTERED) before service ends.
+Every connection is served by the reactor's one thread (``reactor.py``) on a
+non-blocking socket (``connection.py``: its phases, resumable moves, the
+drain and the linger): a partial header, descriptor list, payload or
+response resumes at the next readiness, so a slow or silent peer holds no
+thread. A pair with fault hooks runs them on a thread of its own for that
+connection (hooks may sleep or block), never on the reactor's.
+
+Every chunk has one total deadline from its first byte to its response's
+last (``retry_timeout`` plus its payload at ``MIN_RATE``), a timer on the
+reactor, so a peer that spaces its bytes out cannot hold a pinned region for
+longer. Deregistering a region this responder is receiving into or sending
+from calls ``abort`` (``regions.Abortable``, from the deregistering thread,
+under the region's lock): the socket is shut down, which the reactor sees as
+readiness; the region is unpinned there, and an aborted WRITE is answered
+with REM_ACCESS_ERR (REMOTE_DEREGISTERED) before service ends. Lock order: a
+region's lock, then the connection's; the reactor's thread holds the
+connection's only for a few statements and never while pinning or unpinning,
+and never waits for a region to drain.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
+import queue
 import socket
 import struct
-import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from ...status import Opcode, WcStatus
+from .connection import CLOSED, DESCS, HEAD, HOOK, SENDING, Connection
 from .guard import DataGuard
-from .hooks import Fault, Hooks
-from .iov import Deadline, address, iovecs, recv_all, recv_exact, send_all, send_buffers
+from .hooks import Fault
+from .iov import address, iovecs
 from .pairstate import PairState
-from .wire import CHUNK, DESC, MAX_CHUNK, RESPONSE, SEQ_MASK, PeerGone, VendorErr
+from .pending import Pending
+from .reactor import IN, Reactor
+from .regions import Checked
+from .wire import CHUNK, DESC, MAX_CHUNK, RESPONSE, SEQ_MASK, VendorErr
 
 __all__ = ["Responder"]
 
 log = logging.getLogger("moriio_async.tcp")
 
-SCRATCH = 1 << 16
 _WRITE = int(Opcode.RDMA_WRITE)
-_WAITALL = int(socket.MSG_WAITALL)
 _READ = int(Opcode.RDMA_READ)
 _REM_ACCESS_ERR = int(WcStatus.REM_ACCESS_ERR)
+_DEREGISTERED = int(VendorErr.REMOTE_DEREGISTERED)
 _FIRST = CHUNK.size + DESC.itemsize  # a chunk header and its first descriptor: read with one call
 _DESC1 = struct.Struct("<IIQQ")
-_HUNG_UP = frozenset({6, 7, 8, 9, 11})  # tcpi_state TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING: its FIN is in
 
 
-class Responder:
-    """One accepted connection: ``serve`` runs on the listener's thread for it; ``stop`` and ``abort``
-    from anywhere."""
+class Responder(Connection):
+    """One accepted connection serving ``st``, on ``reactor``'s thread (``start`` hands it the socket);
+    ``stop`` and ``abort`` from anywhere."""
 
-    def __init__(self, sock: socket.socket, guard: DataGuard, timeout: float) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, st: PairState, guard: DataGuard, timeout: float, reactor: Reactor) -> None:
+        super().__init__(sock, timeout, reactor)
+        self.st = st
         self.guard = guard
-        self.timeout = timeout
-        """The silence timeout (``retry_timeout``): also the base of each message's deadline."""
-        self.deadline = Deadline(sock, timeout)
-        self._sock_lock = threading.Lock()  # stop() never races close() onto a reused fd; guards the two below
-        self._stopped = False
-        self._stop_event = threading.Event()
-        self._writes = False  # the chunk being served is WRITEs: its regions are pinned to receive into
-        self._moving = False  # between pinning a chunk's regions and the end of its socket call on them
-        self._cut = False  # abort shut the socket during that call: the connection cannot go on
-        self.thread: threading.Thread | None = None
-        """The thread serving it (the listener's), joined by the backend's close."""
+        self._head = memoryview(bytearray(_FIRST))
+        self._got = 0
+        self._descs: np.ndarray | None = None
+        self._checked: Checked | None = None
+        self._op = self._seq = self._count = self._done = 0
+        self._reply = (0, 0, 0, 0)  # a WRITE's response once its payloads are in: seq, done, status, vendor
+        self._after: Callable[[], None] = self._chunk_end
+        self._hooks: queue.SimpleQueue[_Job | None] | None = None
 
-    def stop(self) -> None:
-        """Wake the serving thread and end service (from any thread)."""
-        with self._sock_lock:
-            self._stopped = True
-            self._shut_locked(socket.SHUT_RDWR)
-        self._stop_event.set()
+    def start(self, ack: bytes) -> None:
+        """On the reactor's thread: send the hello's ``ack``, then serve chunks (unless stopped already)."""
+        if self.phase == CLOSED:
+            return
+        self.send(Pending(len(ack), [ack]), self._next_chunk)
+        self.reactor.watch(self.fd, self, 0)
+        self.pump()
 
-    def pause(self, seconds: float) -> bool:
-        """Wait on the serving thread (``stop`` ends it early); False if stopped."""
-        return not self._stop_event.wait(seconds)
+    def ended(self, vendor: VendorErr | None) -> None:
+        self._unpin()
+        if self._hooks is not None:
+            self._hooks.put(None)
+        if vendor is VendorErr.PEER_SILENT and not self.stopped:
+            self.guard.slow_message(f"qp {self.st.qp_num}", "a chunk did not arrive whole within its deadline")
+        self.st.responder_done()
 
-    def abort(self) -> None:
-        """A region this responder holds is being deregistered: end the socket call on it now.
+    def read_chunk(self) -> bool:
+        return self._read_head() if self.phase == HEAD else self._read_descs()
 
-        A receive is ended with a read shutdown (the response can still go out,
-        saying REM_ACCESS_ERR); a send, with both directions shut. Called under
-        the region's lock, so the pin is still held. Once the call has ended
-        (its bytes are all in or out), nothing is shut: the chunk is answered as
-        it went and the region is unpinned next, and service goes on unharmed.
-        A shutdown then would leave a read-shut socket serving later chunks,
-        whose refusal could be beaten by a reset (RETRY_EXC_ERR instead of
-        REM_ACCESS_ERR).
-        """
-        with self._sock_lock:
-            if not self._moving:
-                return
-            self._cut = True
-            self.deadline.aborted = True
-            self._shut_locked(socket.SHUT_RD if self._writes else socket.SHUT_RDWR)
+    # -- a chunk ------------------------------------------------------------------------------------------
 
-    def _moving_begins(self) -> None:
-        """Before a chunk's regions are pinned: from now until ``_moving_ends`` an abort shuts the socket."""
-        with self._sock_lock:
-            self._moving = True
+    def _next_chunk(self) -> None:
+        self.phase = HEAD
+        self._got = 0
+        self._descs = None
+        self.deadline = float("inf")
 
-    def _moving_ends(self) -> bool:
-        """The socket call on the pinned regions ended; True if an abort cut the connection meanwhile
-        (even a call that completed: the socket is shut, so the chunk is answered as aborted)."""
-        with self._sock_lock:
-            self._moving = False
-            return self._cut
+    def _read_head(self) -> bool:
+        n = self.recv(self._head[self._got :])
+        if n <= 0:
+            if n < 0:
+                self.shutdown(VendorErr.PEER_CLOSED if self._got else None)
+                return False
+            return self.wait(IN)
+        if not self._got:  # its first bytes: the whole chunk is due within one deadline from now
+            self.deadline = time.monotonic() + self.timeout
+        self._got += n
+        if self._got < _FIRST:
+            return True
+        op, _flags, _r16, seq, count, _r32 = CHUNK.unpack_from(self._head)
+        if (op != _WRITE and op != _READ) or not 1 <= count <= MAX_CHUNK:
+            self.guard.bad_message(
+                _host(self.sock), f"qp {self.st.qp_num}: malformed chunk (opcode {op}, {count} requests)"
+            )
+            self.shutdown()
+            return False
+        self._op, self._seq, self._count = op, seq, count
+        if count == 1:
+            rkey, _r, addr, length = _DESC1.unpack_from(self._head, CHUNK.size)
+            self._one(rkey, addr, length)
+            return True
+        descs = np.empty(count, dtype=DESC)
+        raw = descs.data.cast("B")
+        raw[: DESC.itemsize] = self._head[CHUNK.size :]
+        self._descs = descs
+        self._got = DESC.itemsize
+        self.phase = DESCS
+        return True
 
-    def _shut_locked(self, how: int) -> None:
-        if self.sock.fileno() >= 0:  # under _sock_lock: close() cannot have handed the fd on
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(how)
+    def _read_descs(self) -> bool:
+        descs = self._descs
+        assert descs is not None
+        raw = descs.data.cast("B")
+        n = self.recv(raw[self._got :])
+        if n <= 0:
+            if n < 0:
+                self.shutdown(VendorErr.PEER_CLOSED)
+                return False
+            return self.wait(IN)
+        self._got += n
+        if self._got == len(raw):
+            self._many(descs)
+        return True
 
-    @property
-    def stopped(self) -> bool:
-        """``stop`` was called (the pair closed, or the backend): what ends service is not the peer's doing."""
-        return self._stopped
+    def _one(self, rkey: int, addr: int, length: int) -> None:
+        """A one-request chunk, on plain integers: a fault hook first, if any."""
+        hooks = self.st.hooks
+        if hooks is None:
+            self._one_checked(rkey, addr, length)
+        elif self._op == _WRITE:
+            self._hooked_writes([(rkey, 0, addr, length)], 0)
+        else:
+            qp, op = self.st.qp_num, self._op
+            self._hook(lambda: hooks.on_request(qp, op, rkey, addr, length) is not Fault.DROP,
+                       lambda: self._one_checked(rkey, addr, length))  # fmt: skip
 
-    def join(self) -> None:
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join()
+    def _one_checked(self, rkey: int, addr: int, length: int) -> None:
+        if self.stopped:
+            self.shutdown()
+            return
+        op, seq = self._op, self._seq
+        self.moving_begins(op == _WRITE)
+        checked = self.st.regions.check_remote_one(op, rkey, addr, length, self)
+        if not checked.first_bad:
+            self.moving_ends()  # nothing pinned: no abort can come for it
+            self._refused(op, rkey, addr, length, checked.vendor)
+            self._respond((seq, 0, _REM_ACCESS_ERR, int(checked.vendor)), self.refuse_rest)
+            return
+        self._checked = checked
+        self._done = 1
+        region = checked.found[0]
+        assert region is not None
+        view = region.view[addr - region.addr : addr - region.addr + length]
+        if op == _WRITE:
+            self._receive(Pending(length, [view]), (seq, 1, 0, 0), self._chunk_end)
+        else:
+            head = RESPONSE.pack(op, 0, 0, seq, 1, 0, length)
+            self.send(Pending(RESPONSE.size + length, [head, view]), self._read_sent)
 
-    def close(self) -> None:
-        with self._sock_lock:
-            self.sock.close()
+    def _many(self, d: np.ndarray) -> None:
+        op, count, hooks = self._op, self._count, self.st.hooks
+        if hooks is not None and op == _WRITE:
+            self._hooked_writes([tuple(int(x) for x in row) for row in d.tolist()], 0)
+            return
+        if self.stopped:
+            self.shutdown()
+            return
+        self.moving_begins(op == _WRITE)
+        checked = self.st.regions.check_remote(op, d["rkey"], d["addr"], d["length"], self)
+        self._checked = checked
+        done = self._done = checked.first_bad
+        status, vendor = (0, 0) if done == count else (_REM_ACCESS_ERR, int(checked.vendor))
+        if done < count:
+            rkey, _r, addr, length = (int(x) for x in d[done].tolist())
+            self._refused(op, rkey, addr, length, checked.vendor)
+        if hooks is None:
+            self._many_go(d, status, vendor)
+            return
+        # A READ chunk with hooks: every request it reaches, in order.
+        reached = [tuple(int(x) for x in d[i].tolist()) for i in range(min(done + 1, count))]
+        qp = self.st.qp_num
 
-    def serve(self, st: PairState) -> None:
-        """Serve chunks in order until the connection ends or a request fails. Raises PeerGone."""
-        sock = self.sock
-        fd = sock.fileno()
-        first = bytearray(_FIRST)
-        first_view = memoryview(first)
-        descs = np.zeros(MAX_CHUNK, dtype=DESC)
-        desc_bytes = descs.data.cast("B")
+        def calls() -> bool:
+            for rkey, _r, addr, length in reached:
+                if hooks.on_request(qp, op, rkey, addr, length) is Fault.DROP or self.stopped:
+                    return False
+            return True
+
+        self._hook(calls, lambda: self._many_go(d, status, vendor))
+
+    def _many_go(self, d: np.ndarray, status: int, vendor: int) -> None:
+        op, seq, done = self._op, self._seq, self._done
+        if op == _WRITE:
+            iov = iovecs(done)
+            total = _fill(d, done, iov, 0)
+            self._receive(Pending(total, iov=iov), (seq, done, status, vendor), self._chunk_end)
+            return
+        iov = iovecs(1 + done)
+        payload = _fill(d, done, iov, 1)
         reply = np.zeros(RESPONSE.size, dtype=np.uint8)
-        scratch = memoryview(bytearray(SCRATCH))
-        deadline = self.deadline
-        while self._read_first(sock, first_view):
-            op, _flags, _r16, seq, count, _r32 = CHUNK.unpack_from(first)
-            self._writes = op == _WRITE  # before any region is pinned for it (abort reads it)
-            if (op != _WRITE and op != _READ) or not 1 <= count <= MAX_CHUNK:
-                self.guard.bad_message(_host(sock), f"qp {st.qp_num}: malformed chunk (opcode {op}, {count} requests)")
-                return
-            hooks = st.hooks
-            if count == 1 and (hooks is None or op == _READ):
-                if not self._serve_one(st, hooks, op, seq, scratch, *_DESC1.unpack_from(first, CHUNK.size)):
-                    return
-                deadline.end()
-                continue
-            desc_bytes[: DESC.itemsize] = first_view[CHUNK.size :]
-            if count > 1:
-                recv_exact(sock, desc_bytes[DESC.itemsize : count * DESC.itemsize], deadline)
-            d = descs[:count]
-            if hooks is not None and op == _WRITE:
-                if not self._write_hooked(st, hooks, fd, seq, d, scratch):
-                    return
-                deadline.end()
-                continue
-            if self._stopped:
-                return
-            self._moving_begins()
-            checked = st.regions.check_remote(op, d["rkey"], d["addr"], d["length"], self)
-            done = checked.first_bad
-            aborted = cut = False
-            if done < count:
-                self._refused(st, op, d[done], checked.vendor)
-            try:
-                if hooks is not None:  # a READ chunk with hooks: every request it reaches, in order
-                    for i in range(min(done + 1, count)):
-                        rkey, _r, addr, length = (int(x) for x in d[i].tolist())
-                        if hooks.on_request(st.qp_num, op, rkey, addr, length) is Fault.DROP or self._stopped:
-                            return
-                status, vendor = (0, 0) if done == count else (_REM_ACCESS_ERR, int(checked.vendor))
-                if op == _WRITE:
-                    received = self._receive(fd, d, done)
-                    aborted = self._moving_ends() or not received
-                    if not aborted:
-                        _send_small(sock, RESPONSE.pack(op, status, vendor, seq, done, 0, 0))
-                else:
-                    payload = _fill(d, done, iov := iovecs(1 + done), 1)
-                    RESPONSE.pack_into(reply.data, 0, op, status, vendor, seq, done, 0, payload)
-                    iov[0] = (address(reply), RESPONSE.size)
-                    send_all(fd, iov, RESPONSE.size + payload)
-                    cut = self._moving_ends()  # sent whole, but the socket is shut: service ends
-            finally:
-                self._moving_ends()
-                checked.unpin()
-            if aborted:  # answered only now: the region's pin must end before anything else waits
-                self._answer_abort(st, seq)
-                return
-            if cut:
-                return
-            if done < count:
-                self._refuse_rest(sock, scratch)
-                return
-            deadline.end()
+        RESPONSE.pack_into(reply.data, 0, op, status, vendor, seq, done, 0, payload)
+        iov[0] = (address(reply), RESPONSE.size)
+        self.send(Pending(RESPONSE.size + payload, iov=iov, keep=reply), self._read_sent)
 
-    def _serve_one(
-        self, st: PairState, hooks: Hooks | None, op: int, seq: int, scratch: memoryview, rkey: int, _r: int,
-        addr: int, length: int,
-    ) -> bool:  # fmt: skip
-        """A one-request chunk, with plain integers and the socket module's calls (a view of the
-        target range); False when service ends."""
-        sock = self.sock
-        if hooks is not None and hooks.on_request(st.qp_num, op, rkey, addr, length) is Fault.DROP:
-            return False
-        if self._stopped:
-            return False
-        self._moving_begins()
-        checked = st.regions.check_remote_one(op, rkey, addr, length, self)
-        aborted = False
-        try:
-            if not checked.first_bad:
-                self._moving_ends()  # nothing pinned: no abort can come for it
-                self._refused(st, op, (rkey, _r, addr, length), checked.vendor)
-                if op == _READ:
-                    head = RESPONSE.pack(op, _REM_ACCESS_ERR, int(checked.vendor), seq, 0, 0, 0)
-                    send_buffers(sock, [head], RESPONSE.size)
-                else:
-                    _send_small(sock, RESPONSE.pack(op, _REM_ACCESS_ERR, int(checked.vendor), seq, 0, 0, 0))
-                self._refuse_rest(sock, scratch)
-                return False
-            region = checked.found[0]
-            assert region is not None
-            view = region.view[addr - region.addr : addr - region.addr + length]
-            if op == _WRITE:
-                self.deadline.extend(length)
-                try:
-                    recv_exact(sock, view, self.deadline)
-                except PeerGone:
-                    if not self.deadline.aborted:
-                        raise
-                    aborted = True
-                if self._moving_ends():
-                    aborted = True
-                if not aborted:
-                    _send_small(sock, RESPONSE.pack(op, 0, 0, seq, 1, 0, 0))
-            else:
-                send_buffers(sock, [RESPONSE.pack(op, 0, 0, seq, 1, 0, length), view], RESPONSE.size + length)
-                if self._moving_ends():
-                    return False  # sent whole, but the socket is shut: service ends
-        finally:
-            self._moving_ends()
-            checked.unpin()
-        if aborted:
-            self._answer_abort(st, seq)
-            return False
-        return True
-
-    def _write_hooked(self, st: PairState, hooks: Hooks, fd: int, seq: int, d: np.ndarray, scratch: memoryview) -> bool:
+    def _hooked_writes(self, reqs: list[tuple[int, ...]], i: int) -> None:
         """A WRITE chunk on a hooked pair: ``on_request`` before each request, one response each."""
-        sock = self.sock
-        for i in range(len(d)):
-            rkey, _r, addr, length = (int(x) for x in d[i].tolist())
-            if hooks.on_request(st.qp_num, _WRITE, rkey, addr, length) is Fault.DROP or self._stopped:
-                return False
-            one = d[i : i + 1]
-            self._moving_begins()
-            checked = st.regions.check_remote(_WRITE, one["rkey"], one["addr"], one["length"], self)
-            here = (seq + i) & SEQ_MASK
-            try:
-                if checked.first_bad == 0:
-                    self._moving_ends()  # nothing pinned: no abort can come for it
-                    self._refused(st, _WRITE, one[0], checked.vendor)
-                    _send_small(sock, RESPONSE.pack(_WRITE, _REM_ACCESS_ERR, int(checked.vendor), here, 0, 0, 0))
-                    self._refuse_rest(sock, scratch)
-                    return False
-                received = self._receive(fd, one, 1)
-                aborted = self._moving_ends() or not received
-            finally:
-                self._moving_ends()
-                checked.unpin()
-            if aborted:
-                self._answer_abort(st, here)
-                return False
-            _send_small(sock, RESPONSE.pack(_WRITE, 0, 0, here, 1, 0, 0))
-        return True
+        if i == len(reqs):
+            self._next_chunk()
+            return
+        hooks, qp = self.st.hooks, self.st.qp_num
+        rkey, _r, addr, length = reqs[i]
+        assert hooks is not None
+        self._hook(lambda: hooks.on_request(qp, _WRITE, rkey, addr, length) is not Fault.DROP,
+                   lambda: self._hooked_write(reqs, i))  # fmt: skip
 
-    def _read_first(self, sock: socket.socket, view: memoryview) -> bool:
-        """Wait for the next chunk (its header and first descriptor); False when the connection ended."""
-        while True:
-            try:
-                n = sock.recv_into(view, 0, _WAITALL)
-            except BlockingIOError:
-                # Silence between chunks is an idle pair, not a dead one: keep waiting.
-                if self._stopped:
-                    return False
-                continue
-            except OSError:
-                return False
-            if not n:
-                return False
-            # The chunk's first bytes are in: the whole chunk is due within one deadline from now.
-            self.deadline.start(self.timeout)
-            if n < len(view):
-                recv_exact(sock, view[n:], self.deadline)  # silence inside a header is a dead peer (PeerGone)
-            return True
+    def _hooked_write(self, reqs: list[tuple[int, ...]], i: int) -> None:
+        if self.stopped:
+            self.shutdown()
+            return
+        rkey, _r, addr, length = reqs[i]
+        here = (self._seq + i) & SEQ_MASK
+        self.moving_begins(True)
+        checked = self.st.regions.check_remote_one(_WRITE, rkey, addr, length, self)
+        if not checked.first_bad:
+            self.moving_ends()  # nothing pinned: no abort can come for it
+            self._refused(_WRITE, rkey, addr, length, checked.vendor)
+            self._respond((here, 0, _REM_ACCESS_ERR, int(checked.vendor)), self.refuse_rest)
+            return
+        self._checked = checked
+        region = checked.found[0]
+        assert region is not None
+        view = region.view[addr - region.addr : addr - region.addr + length]
+        self._receive(Pending(length, [view]), (here, 1, 0, 0), lambda: self._hooked_writes(reqs, i + 1))
 
-    def _receive(self, fd: int, d: np.ndarray, n: int) -> bool:
-        """Receive the payloads of the first ``n`` WRITEs of a chunk into their (pinned) target ranges;
-        False when a deregistration aborted it (the caller unpins, then answers)."""
-        iov = iovecs(n)
-        total = _fill(d, n, iov, 0)
-        if not total:
-            return True
-        self.deadline.extend(total)
-        try:
-            recv_all(fd, iov, total, 0, self.deadline)
-        except PeerGone:
-            if self.deadline.aborted:
-                return False
-            raise
-        return True
+    def _receive(self, pending: Pending, reply: tuple[int, int, int, int], after: Callable[[], None]) -> None:
+        """Receive a WRITE's payloads into their pinned target ranges, then answer ``reply`` and go on ``after``."""
+        self._reply, self._after = reply, after
+        self.receive(pending, self._received)
 
-    def _answer_abort(self, st: PairState, seq: int) -> None:
-        """A deregistration aborted the WRITE at ``seq`` (its regions unpinned already): say
-        REM_ACCESS_ERR, and end service once the initiator hung up."""
-        self.guard.aborted_receive(st.qp_num)
-        with contextlib.suppress(PeerGone):
-            _send_small(self.sock, RESPONSE.pack(_WRITE, _REM_ACCESS_ERR, int(VendorErr.REMOTE_DEREGISTERED), seq,
-                                                 0, 0, 0))  # fmt: skip
-            self._linger(self.sock)
+    def _received(self, aborted: bool) -> None:
+        self._unpin()  # before answering: the region's deregistration must not wait for the answer
+        seq, done, status, vendor = self._reply
+        if aborted:
+            self.guard.aborted_receive(self.st.qp_num)
+            self._respond((seq, 0, _REM_ACCESS_ERR, _DEREGISTERED), self.linger)
+            return
+        self._respond((seq, done, status, vendor), self._after)
 
-    def _linger(self, sock: socket.socket) -> None:
-        """After answering an aborted WRITE on a read-shut socket: wait (at most one ``retry_timeout``)
-        for the initiator to hang up, taking in what it still sends, so that closing does not reset the
-        connection before it read the answer (a reset would beat it as RETRY_EXC_ERR).
+    def _respond(self, reply: tuple[int, int, int, int], then: Callable[[], None]) -> None:
+        """A response with no payload (a WRITE's, or a refusal)."""
+        seq, done, status, vendor = reply
+        head = RESPONSE.pack(self._op, status, vendor, seq, done, 0, 0)
+        self.send(Pending(RESPONSE.size, [head]), then)
 
-        No write shutdown here: Linux resets a connection that gets data after both of its
-        directions were shut (FIN_WAIT with the read side shut), and the initiator is likely still
-        sending the payloads of the WRITEs behind the aborted one. The answer makes it hang up."""
-        scratch = bytearray(1 << 16)
-        until = time.monotonic() + self.timeout
-        with contextlib.suppress(OSError):
-            while time.monotonic() < until and not self._stopped:
-                with contextlib.suppress(BlockingIOError):
-                    while sock.recv_into(scratch, 0, socket.MSG_DONTWAIT):
-                        pass  # a read-shut socket returns what is queued, then 0
-                if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in _HUNG_UP:
-                    return
-                time.sleep(0.005)
+    def _read_sent(self) -> None:
+        cut = self.moving_ends()  # sent whole, but if the socket is shut, service ends
+        self._unpin()
+        if cut:
+            self.shutdown()
+            return
+        self._chunk_end()
 
-    def _refused(self, st: PairState, op: int, desc: tuple[int, int, int, int] | np.void, vendor: VendorErr) -> None:
-        rkey, _r, addr, length = (int(x) for x in (desc.tolist() if isinstance(desc, np.void) else desc))
+    def _chunk_end(self) -> None:
+        if self._done < self._count:
+            self.refuse_rest()
+        else:
+            self._next_chunk()
+
+    def _unpin(self) -> None:
+        checked, self._checked = self._checked, None
+        if checked is not None:
+            checked.unpin()
+
+    # -- refusals and fault hooks ---------------------------------------------------------------------------
+
+    def _refused(self, op: int, rkey: int, addr: int, length: int, vendor: VendorErr) -> None:
         what = "WRITE" if op == _WRITE else "READ"
         detail = f"{what} rkey {rkey:#x} [{addr:#x}, +{length}): {vendor.name}"
         guess = vendor is not VendorErr.REMOTE_DEREGISTERED  # a stale region is the target's doing, not a guess
-        self.guard.access_error(st.qp_num, _host(self.sock), detail, guess=guess)
+        self.guard.access_error(self.st.qp_num, _host(self.sock), detail, guess=guess)
 
-    def _refuse_rest(self, sock: socket.socket, scratch: memoryview) -> None:
-        """After an error response: execute nothing more, drain until the initiator hangs up (for at
-        most one ``retry_timeout``: a peer that keeps sending does not keep the thread)."""
+    def _hook(self, call: Callable[[], bool], then: Callable[[], None]) -> None:
+        """Run ``call`` (hooks may sleep or block to stall the peer) on this connection's hook thread,
+        then ``then`` back here unless it said to drop the connection. Only pairs with hooks have one."""
+        self.phase = HOOK
+        self.reactor.want(self.fd, 0)
+        if self._hooks is None:
+            self._hooks = queue.SimpleQueue()
+            name = f"moriio-tcp-hooks-{self.st.qp_num}"
+            self.reactor.spawn(functools.partial(_run_hooks, self._hooks, self.reactor), name)
+        self._hooks.put((call, lambda go: self._hooked(go, then)))
+
+    def _hooked(self, go: bool, then: Callable[[], None]) -> None:
+        if self.phase != HOOK:
+            return  # ended meanwhile
+        if not go or self.stopped:
+            self.shutdown()
+            return
+        self.phase = SENDING  # neither waiting nor reading: ``then`` sets what comes next
+        then()
+        self.pump()
+
+
+_Job = tuple[Callable[[], bool], Callable[[bool], None]]
+"""A hook call (False: drop the connection) and what follows it on the reactor's thread."""
+
+
+def _run_hooks(jobs: queue.SimpleQueue[_Job | None], reactor: Reactor) -> None:
+    """A hooked connection's hook thread: each hook call, then its continuation on the reactor."""
+    while (job := jobs.get()) is not None:
+        call, resume = job
         try:
-            sock.shutdown(socket.SHUT_WR)
-            self.deadline.start(self.timeout)
-            while sock.recv_into(scratch):
-                self.deadline.check()
-        except (OSError, PeerGone):
-            pass
+            go = call()
+        except Exception:
+            log.exception("tcp fault hook failed")
+            go = False
+        reactor.call_soon(functools.partial(resume, go))
 
 
 def _fill(d: np.ndarray, n: int, iov: np.ndarray, row: int) -> int:
@@ -384,12 +369,3 @@ def _host(sock: socket.socket) -> str:
         return str(sock.getpeername()[0])
     except OSError:
         return "?"
-
-
-def _send_small(sock: socket.socket, data: bytes) -> None:
-    try:
-        sock.sendall(data, socket.MSG_NOSIGNAL)
-    except BlockingIOError:
-        raise PeerGone(VendorErr.SEND_TIMEOUT) from None
-    except OSError:
-        raise PeerGone(VendorErr.PEER_RESET) from None

@@ -1,0 +1,200 @@
+"""The TCP target serves every accepted connection from one reactor thread (issue 26): threads do not grow
+with the peers, and no peer, however slow or hostile, holds the thread the others are served on.
+
+The peers speak the data wire by hand (``datawire.py``), over real sockets."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from moriio_async.backends import open_backend
+from moriio_async.backends.base import Backend
+from moriio_async.backends.tcp import TcpOptions
+from moriio_async.backends.tcp.regions import TcpRegion
+from moriio_async.status import Access
+
+from . import datawire as dw
+from .harness import make_options
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.only_backends("tcp", reason="the TCP backend's data port, spoken by hand"),
+]
+
+
+@dataclass
+class Pairs:
+    backend: Backend
+    port: int
+    tokens: list[bytes]
+    buf: np.ndarray
+    mr: TcpRegion
+
+
+@contextmanager
+def pairs(n: int, **options: object) -> Iterator[Pairs]:
+    """A backend with one 64 KiB exported region and ``n`` passive pairs waiting for their dial."""
+    own = {k: options.pop(k) for k in list(options) if k in TcpOptions.__dataclass_fields__}
+    backend = open_backend("tcp", make_options("tcp", **options, specific=TcpOptions(**own)))  # type: ignore[arg-type]
+    try:
+        buf = (np.arange(1 << 16) % 251).astype(np.uint8)
+        mr = backend.register_memory(memoryview(buf), Access.all())
+        assert isinstance(mr, TcpRegion)
+        backend.export_memory(mr)
+        tokens, port = [], 0
+        for i in range(n):
+            qp = backend.create_qp(backend.create_cq(64))
+            qp.bind_session(None, answering=True)
+            qp.connect({"backend": "tcp", "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 100 + i})
+            tokens.append(bytes.fromhex(str(qp.endpoint()["token"])))
+            port = int(qp.endpoint()["port"])
+        yield Pairs(backend, port, tokens, buf, mr)
+    finally:
+        backend.close()
+
+
+def nic_threads() -> int:
+    return sum(th.name.startswith("moriio-tcp") for th in threading.enumerate())
+
+
+def served(p: Pairs, sock: socket.socket, seq: int, offset: int) -> None:
+    """A WRITE then a READ of the same 4 KiB on ``sock``, answered and landed."""
+    data = bytes([seq % 256]) * 4096
+    sock.sendall(dw.chunk(dw.WRITE, seq, (p.mr.rkey, p.mr.addr + offset, 4096)) + data)
+    r = dw.response(sock)
+    assert (r.opcode, r.status, r.seq, r.done) == (dw.WRITE, dw.OK, seq, 1)
+    sock.sendall(dw.chunk(dw.READ, seq + 1, (p.mr.rkey, p.mr.addr + offset, 4096)))
+    r = dw.response(sock)
+    assert (r.opcode, r.status, r.seq, r.done, r.payload) == (dw.READ, dw.OK, seq + 1, 1, 4096)
+    assert dw.recv_exactly(sock, 4096) == data
+
+
+def test_the_target_threads_stay_the_same_as_connections_grow() -> None:
+    with pairs(48) as p:
+        socks: list[socket.socket] = []
+        try:
+            counts = [nic_threads()]
+            for i, token in enumerate(p.tokens):
+                sock, status = dw.dial(p.port, token)
+                socks.append(sock)
+                assert status == dw.OK
+                if i + 1 in (1, 8, 48):
+                    counts.append(nic_threads())
+            assert counts == [counts[0]] * 4, f"tcp threads at 0, 1, 8, 48 connections: {counts}"
+            for i, sock in enumerate(socks):  # all at once, then every answer: each one is served
+                sock.sendall(dw.chunk(dw.READ, i, (p.mr.rkey, p.mr.addr + 8 * i, 8)))
+            for i, sock in enumerate(socks):
+                r = dw.response(sock)
+                assert (r.status, r.seq, r.done, r.payload) == (dw.OK, i, 1, 8)
+                assert dw.recv_exactly(sock, 8) == p.buf[8 * i : 8 * i + 8].tobytes()
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+@pytest.mark.parametrize("reactors", [1, 3])
+def test_reactor_threads_set_how_many_threads_serve_the_connections(reactors: int) -> None:
+    with pairs(6, reactor_threads=reactors) as p:
+        assert p.backend.describe().threads.startswith(f"reactors {reactors} ")
+        names = {th.name for th in threading.enumerate()}
+        assert sum(f"moriio-tcp-nic-{p.port}-" in name for name in names) == reactors
+        socks = [dw.dial(p.port, token)[0] for token in p.tokens]
+        try:
+            for i, sock in enumerate(socks):  # shared between the reactors, each one served
+                served(p, sock, 2 * i, 4096 * i)
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def _silent_mid_payload(p: Pairs, sock: socket.socket) -> None:
+    sock.sendall(dw.chunk(dw.WRITE, 0, (p.mr.rkey, p.mr.addr, 4096)) + b"\7" * 100)  # and nothing more
+
+
+def _trickling_header(p: Pairs, sock: socket.socket) -> None:
+    head = dw.chunk(dw.WRITE, 0, (p.mr.rkey, p.mr.addr, 4096))
+    threading.Thread(target=dw.trickle, args=(sock, head, 0.05), daemon=True).start()
+
+
+def _not_reading_its_responses(p: Pairs, sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    # 16 MiB of READ responses it never reads: the target's socket buffer fills, its send waits mid-chunk.
+    sock.sendall(b"".join(dw.chunk(dw.READ, i, (p.mr.rkey, p.mr.addr, 1 << 16)) for i in range(256)))
+
+
+@pytest.mark.parametrize("hostile", [_silent_mid_payload, _trickling_header, _not_reading_its_responses])
+def test_a_hostile_connection_does_not_stop_another_on_the_same_target(hostile: object) -> None:
+    assert callable(hostile)
+    with pairs(2, retry_timeout=30.0) as p:
+        bad, status = dw.dial(p.port, p.tokens[0])
+        assert status == dw.OK
+        try:
+            hostile(p, bad)
+            time.sleep(0.3)  # the target takes what the hostile peer sent, and is left waiting on it
+            good, status = dw.dial(p.port, p.tokens[1])
+            assert status == dw.OK
+            with good:
+                for seq in (0, 2, 4):
+                    served(p, good, seq, 8192 + 4096 * seq)
+            ready, _, _ = select.select([bad], [], [], 0)
+            if hostile is not _not_reading_its_responses:
+                assert not ready, "the hostile connection is still mid-chunk (within its 30 s deadline), not cut"
+        finally:
+            bad.close()
+
+
+def test_deregistration_cuts_a_read_response_stuck_on_a_full_socket_and_unpins() -> None:
+    """A peer that stops reading its READ responses holds the region pinned in a send waiting for the
+    socket to drain; deregistration aborts it at once (service on that connection ends) and returns
+    with the region unpinned, while the target goes on serving another connection."""
+    with pairs(2, retry_timeout=30.0) as p:
+        bad, status = dw.dial(p.port, p.tokens[0])
+        assert status == dw.OK
+        good, status = dw.dial(p.port, p.tokens[1])
+        assert status == dw.OK
+        with bad, good:
+            _not_reading_its_responses(p, bad)
+            deadline = time.monotonic() + 10
+            while p.mr.pins == 0:  # its send is under way, the region pinned
+                assert time.monotonic() < deadline, "the READ responses never started"
+                time.sleep(0.01)
+            p.backend.deregister_memory(p.mr)
+            assert p.mr.pins == 0
+            assert dw.closed_within(bad, 10.0), "a READ cut by deregistration ends service"
+            other = np.zeros(4096, np.uint8)
+            mr = p.backend.register_memory(memoryview(other), Access.all())
+            p.backend.export_memory(mr)
+            good.sendall(dw.chunk(dw.WRITE, 0, (mr.rkey, mr.addr, 4096)) + b"\5" * 4096)
+            assert dw.response(good).status == dw.OK
+            assert (other == 5).all()
+
+
+def test_a_delayed_guess_waits_on_a_timer_while_other_peers_are_served() -> None:
+    """A source over its budget of failed guesses has its next hello heard only after a quarter of the
+    hello deadline. That wait is a timer, never a sleep on the thread every connection shares: an honest
+    peer dials, and is served, while the guess is still waiting to be heard."""
+    with pairs(1, max_failures_per_source=2, failure_lockout=60.0, hello_timeout=8.0) as p:
+        for i in range(3):
+            sock, status = dw.dial(p.port, i.to_bytes(16, "big"), source="127.0.0.2")
+            sock.close()
+            assert status == dw.UNKNOWN_TOKEN
+        guess = socket.create_connection(("127.0.0.1", p.port), source_address=("127.0.0.2", 0))
+        with guess:
+            guess.sendall(dw.hello_bytes(b"\x09" * 16))  # heard only 2 s after its accept
+            good, status = dw.dial(p.port, p.tokens[0])
+            assert status == dw.OK
+            with good:
+                served(p, good, 0, 0)
+            ready, _, _ = select.select([guess], [], [], 0)
+            assert not ready, "the guess is still waiting to be heard"
+            guess.settimeout(10)
+            assert dw.HELLO_ACK.unpack(dw.recv_exactly(guess, dw.HELLO_ACK.size))[2] == dw.UNKNOWN_TOKEN
