@@ -179,6 +179,8 @@ def test_deregister_remote_engine(pair: tuple[IOEngine, IOEngine]) -> None:
     while on_loop(a, lambda: a.aio.statistics().peers.opened_qps) != stripes:
         assert time.monotonic() < deadline, "the engine-level session was not closed"
         time.sleep(0.005)
+    with pytest.raises(InvalidArgument):  # the engine underneath forgot b for new work too
+        a.notify(b.key, b"after")
     a.deregister_remote_engine(b.get_engine_desc())  # again: nothing left to forget, and no error
     assert session.write(0, 0, 8).WaitFor(10_000) is StatusCode.SUCCESS
 
