@@ -178,6 +178,21 @@ async def test_the_table_files_only_terminal_codes_and_forgets_a_restarted_peer(
     assert table.pop("p", 1) is None and len(table) == 0
 
 
+async def test_a_wait_that_was_cancelled_leaves_its_place_to_the_next_one() -> None:
+    """One waiter per (peer, uid) at a time: once a wait gave up, another may wait, and gets the entry."""
+    table = InboundStatuses(max_per_peer=8)
+    gave_up = asyncio.ensure_future(table.wait("p", 5))
+    await asyncio.sleep(0)
+    gave_up.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await gave_up
+    again = asyncio.ensure_future(table.wait("p", 5))
+    await asyncio.sleep(0)
+    assert table.record("p", 5, StatusCode.ERR_RDMA_OP)
+    assert await again is StatusCode.ERR_RDMA_OP
+    assert table.pop("p", 5) is None and len(table) == 0  # taken by the waiter
+
+
 async def test_a_restarted_initiator_starts_with_no_statuses(backend: str) -> None:
     cfg = IOEngineConfig(backend=backend)
     async with IOEngine("b", cfg) as b, IOEngine("a", cfg) as a:
