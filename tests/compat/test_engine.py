@@ -94,9 +94,16 @@ def test_engine_level_batches_move_bytes_their_own_way_and_file_their_uids_at_th
             for start in (0, 2048):
                 assert np.array_equal(dst[start : start + 1024], src0[start : start + 1024])
             assert np.array_equal(dst[1024:2048], dst0[1024:2048]) and np.array_equal(dst[3072:], dst0[3072:])
-        single = 9100 + read  # the single-block calls carry their uid too
+        single = 9100 + read  # the single-block calls move their way too, and carry their uid
+        (x, _), (y, _) = regions[0]
+        x0, y0 = x.copy(), y.copy()
         call1 = a.read if read else a.write
-        assert call1(locals_[0], 0, remotes[0], 0, 64, single).WaitFor(10_000) is StatusCode.SUCCESS
+        lo, ro = (1024, 1536) if read else (1152, 1664)  # bytes no call before touched (random on both sides)
+        assert call1(locals_[0], lo, remotes[0], ro, 64, single).WaitFor(10_000) is StatusCode.SUCCESS
+        if read:
+            assert np.array_equal(x[lo : lo + 64], y0[ro : ro + 64]) and np.array_equal(y, y0)
+        else:
+            assert np.array_equal(y[ro : ro + 64], x0[lo : lo + 64]) and np.array_equal(x, x0)
         for uid in [*uids, single]:
             deadline = time.monotonic() + 5
             while (inbound := b.pop_inbound_transfer_status(a.key, uid)) is None:
