@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,7 @@ from moriio_async.compat.mori import (
     XgmiBackendConfig,
 )
 
-from .conftest import make_pair, options, register
+from .conftest import make_pair, on_loop, options, register
 
 
 def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngine]) -> None:
@@ -49,6 +51,8 @@ def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngin
     session.close()
     assert not session.alive()
     assert session.read(0, 0, 8).Code() is StatusCode.ERR_BAD_STATE
+    session.close()  # closing a closed session does nothing, so it waits for nothing: fine on the loop thread too
+    on_loop(a, session.close)
 
 
 def test_engine_level_batch_over_several_regions(pair: tuple[IOEngine, IOEngine]) -> None:
@@ -67,6 +71,48 @@ def test_engine_level_batch_over_several_regions(pair: tuple[IOEngine, IOEngine]
         assert not np.array_equal(x[2048:3072], y[2048:3072])
     with pytest.raises(ValueError, match="one descriptor"):
         a.batch_write([regions[0][0][1]], offsets, [regions[0][1][1]], offsets, sizes, uids)
+
+
+def test_engine_level_batches_move_bytes_their_own_way_and_file_their_uids_at_the_target(
+    pair: tuple[IOEngine, IOEngine],
+) -> None:
+    """``batch_read`` fills the local regions from the remote ones and leaves those as they were;
+    ``batch_write`` the other way round. Each batch's uid is the one the target files its outcome under."""
+    a, b = pair
+    regions = [(register(a, 4096), register(b, 4096)) for _ in range(2)]
+    locals_ = [local[1] for local, _ in regions]
+    remotes = [remote[1] for _, remote in regions]
+    offsets, sizes = [[0, 2048] for _ in regions], [[1024, 1024] for _ in regions]
+    for read in (True, False):
+        before = [(x.copy(), y.copy()) for (x, _), (y, _) in regions]
+        uids = [9000 + 10 * read + i for i in range(len(regions))]
+        call = a.batch_read if read else a.batch_write
+        assert a.wait_all(call(locals_, offsets, remotes, offsets, sizes, uids), 10_000) is StatusCode.SUCCESS
+        for ((x, _), (y, _)), (x0, y0) in zip(regions, before, strict=True):
+            dst, src, src0, dst0 = (x, y, y0, x0) if read else (y, x, x0, y0)
+            assert np.array_equal(src, src0), "the side read from is left as it was"
+            for start in (0, 2048):
+                assert np.array_equal(dst[start : start + 1024], src0[start : start + 1024])
+            assert np.array_equal(dst[1024:2048], dst0[1024:2048]) and np.array_equal(dst[3072:], dst0[3072:])
+        single = 9100 + read  # the single-block calls move their way too, and carry their uid
+        (x, _), (y, _) = regions[0]
+        x0, y0 = x.copy(), y.copy()
+        call1 = a.read if read else a.write
+        lo, ro = (1024, 1536) if read else (1152, 1664)  # bytes no call before touched (random on both sides)
+        assert call1(locals_[0], lo, remotes[0], ro, 64, single).WaitFor(10_000) is StatusCode.SUCCESS
+        if read:
+            assert np.array_equal(x[lo : lo + 64], y0[ro : ro + 64]) and np.array_equal(y, y0)
+        else:
+            assert np.array_equal(y[ro : ro + 64], x0[lo : lo + 64]) and np.array_equal(x, x0)
+        for uid in [*uids, single]:
+            deadline = time.monotonic() + 5
+            while (inbound := b.pop_inbound_transfer_status(a.key, uid)) is None:
+                assert time.monotonic() < deadline, f"the target never filed uid {uid}"
+                time.sleep(0.001)
+            assert inbound.Succeeded()
+    said = "batch_read/batch_write: one descriptor, offset list, size list and uid per batch"
+    with pytest.raises(ValueError, match=f"^{re.escape(said)}$"):
+        a.batch_read(locals_, offsets, remotes, offsets, sizes, [1])
 
 
 def test_empty_batches_and_zero_size_blocks_as_mori(pair: tuple[IOEngine, IOEngine]) -> None:
@@ -134,6 +180,16 @@ def test_deregister_remote_engine(pair: tuple[IOEngine, IOEngine]) -> None:
     assert a.write(mx, 0, my, 0, 8).Code() is StatusCode.ERR_BAD_STATE
     st = session.write(0, 0, 256)  # an existing session keeps working, as in MoRI-IO
     assert st.WaitFor(10_000) is StatusCode.SUCCESS and np.array_equal(x, y)
+    # the engine-level transfer's own session closed with the deregistration: only the explicit one's pairs remain
+    stripes = len(session.stripes)
+    deadline = time.monotonic() + 5
+    while on_loop(a, lambda: a.aio.statistics().peers.opened_qps) != stripes:
+        assert time.monotonic() < deadline, "the engine-level session was not closed"
+        time.sleep(0.005)
+    with pytest.raises(InvalidArgument):  # the engine underneath forgot b for new work too
+        a.notify(b.key, b"after")
+    a.deregister_remote_engine(b.get_engine_desc())  # again: nothing left to forget, and no error
+    assert session.write(0, 0, 8).WaitFor(10_000) is StatusCode.SUCCESS
 
 
 def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -71,20 +72,39 @@ def test_host_fabric_memory_is_registered_and_moved_and_outlives_fabric_free_whi
 
 
 def test_fabric_alloc_of_gpu_memory_and_bad_input_say_what_is_unsupported() -> None:
-    with pytest.raises(FabricUnsupported, match=r"fabric_alloc\(size, device=0\).*no GPU or fabric backend") as e:
+    said = (
+        "fabric_alloc(size, device=0): fabric memory is GPU memory exported over a UALink fabric, and moriio_async "
+        "has no GPU or fabric backend"
+    )
+    with pytest.raises(FabricUnsupported, match=f"^{re.escape(said)}") as e:
         fabric_alloc(SIZE, 0)
     assert isinstance(e.value, NotImplementedError) and isinstance(e.value, MoriioError)
     assert e.value.hint is not None and "fabric_alloc(size, -1)" in e.value.hint
-    for size, device in ((0, -1), (-5, -1), (SIZE, -2)):
-        with pytest.raises(InvalidArgument):
-            fabric_alloc(size, device)
+    bad = "fabric_alloc: size must be a positive int, not {!r}"
+    bad_device = "fabric_alloc: device must be -1 (host) or a GPU ordinal, not {!r}"
+    for size, device, message in (
+        (0, -1, bad.format(0)),
+        (-5, -1, bad.format(-5)),
+        (1.0, -1, bad.format(1.0)),
+        (True, -1, bad.format(True)),
+        (SIZE, -2, bad_device.format(-2)),
+        (SIZE, 1.0, bad_device.format(1.0)),
+        (SIZE, False, bad_device.format(False)),
+    ):
+        with pytest.raises(InvalidArgument, match=f"^{re.escape(message)}"):
+            fabric_alloc(size, device)  # type: ignore[arg-type]
+    fabric_free(fabric_alloc(1, -1))  # one byte is a size like any other
 
 
 @pytest.mark.parametrize(
     "call", [fabric_torch_allocator, use_fabric_torch_allocator, make_fabric_mem_pool, fabric_mem_pool]
 )
 def test_the_fabric_torch_allocator_functions_raise_naming_themselves(call: Callable[[], object]) -> None:
-    with pytest.raises(FabricUnsupported, match=rf"{call.__name__}\(\): a torch CUDA allocator") as e:
+    said = (
+        f"{call.__name__}(): a torch CUDA allocator for fabric-exportable GPU memory; moriio_async has no GPU or "
+        "fabric backend, and CPU tensors need no special allocator"
+    )
+    with pytest.raises(FabricUnsupported, match=f"^{re.escape(said)}") as e:
         call()
     assert e.value.hint is not None and "register_torch_tensor" in e.value.hint
 

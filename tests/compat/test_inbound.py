@@ -39,7 +39,7 @@ def test_uid_round_trip_session_and_engine_level(pair: tuple[IOEngine, IOEngine]
     assert a.wait_all(statuses, 10_000) is StatusCode.SUCCESS
     for uid in uids:
         inbound = wait_inbound(b, a.key, uid)
-        assert inbound is not None and inbound.Succeeded()
+        assert inbound is not None and inbound.Succeeded() and inbound.Message() == ""
         assert b.pop_inbound_transfer_status(a.key, uid) is None  # popped once
     assert b.pop_inbound_transfer_status(a.key, 10_000) is None
     assert b.pop_inbound_transfer_status("someone-else", uids[0]) is None
@@ -103,6 +103,7 @@ def test_a_failure_after_posting_is_announced_with_its_code(held: tuple[IOEngine
     assert status.WaitFor(10_000) is StatusCode.ERR_RDMA_OP
     inbound = wait_inbound(b, a.key, 12)
     assert inbound is not None and inbound.Failed() and inbound.Code() is StatusCode.ERR_RDMA_OP
+    assert inbound.Message() == f"transfer 12 failed at engine {a.key!r}"
 
 
 def test_deregister_remote_engine_lets_engine_level_transfers_in_flight_end() -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
 
 import moriio_async
-from moriio_async.compat.mori import StatusCode, TransferStatus, wait_all
+from moriio_async.compat.mori import StatusCode, TransferStatus, set_log_level, wait_all
 from moriio_async.compat.mori import status as status_module
 
 
@@ -54,6 +55,14 @@ def test_status_surface_and_codes_print_as_mori_does() -> None:
     assert status.Message() == "replaced"
     assert f"(code={status.Code()})" == "(code=StatusCode.ERR_RDMA_OP)"
     assert str(StatusCode.SUCCESS) == "StatusCode.SUCCESS" and f"{StatusCode.INIT:d}" == "1"
+
+
+def test_codes_format_as_their_name_for_text_specs_and_as_their_number_for_numeric_ones() -> None:
+    """As a pybind11 enum: a spec of type ``s`` formats ``StatusCode.NAME``; ``d``, ``x``, ``X`` the number."""
+    code = StatusCode.ERR_RDMA_OP
+    assert f"{code}" == f"{code:s}" == "StatusCode.ERR_RDMA_OP"
+    assert f"{code:>24s}" == "  StatusCode.ERR_RDMA_OP"
+    assert (f"{code:d}", f"{code:x}", f"{code:X}", f"{code:4d}") == ("13", "d", "D", "  13")
 
 
 def test_wait_for_returns_the_code_at_the_deadline_and_after_an_update() -> None:
@@ -181,3 +190,20 @@ def test_wait_all_with_time_left_waits_for_each_status_within_its_deadline(monke
     clock.now = start = 3000.0
     forever = EndsAt(clock, start + 3600)
     assert wait_all([forever]) is StatusCode.SUCCESS and forever.waits == [-1]  # no deadline: waits it out
+
+
+def test_set_log_level_takes_mori_ios_level_names_in_any_case() -> None:
+    logger = logging.getLogger("moriio_async")
+    saved = logger.level
+    try:
+        for name, level in [("trace", logging.DEBUG), ("Info", logging.INFO), ("WARN", logging.WARNING),
+                            ("error", logging.ERROR)]:  # fmt: skip
+            set_log_level(name)
+            assert logger.level == level
+        set_log_level("off")
+        assert not logger.isEnabledFor(logging.CRITICAL)
+        with pytest.raises(ValueError, match=r"^unknown log level 'loud': choose one of \['critical', 'debug', "):
+            set_log_level("loud")
+        assert logger.level == logging.CRITICAL + 10  # a refused name changes nothing
+    finally:
+        logger.setLevel(saved)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -109,14 +111,16 @@ def test_blocking_calls_on_the_loop_thread_raise(pair: tuple[IOEngine, IOEngine]
 
     with pytest.raises(RuntimeError, match="deadlock"):
         on_loop(a, wait_on_loop)
-    for blocking in (
-        lambda: a.create_session(mx, my),
-        lambda: a.recv_notification(1),
-        lambda: a.wait_all([session.read(0, 0, 8)], 1000),
-        lambda: a.deregister_memory(mx),
-        session.close,
+    for blocking, name in (
+        (lambda: a.create_session(mx, my), "IOEngine.create_session"),
+        (lambda: a.notify(b.key, b"hi"), "IOEngine.notify"),
+        (lambda: a.recv_notification(1), "IOEngine.recv_notification"),
+        (lambda: a.wait_all([session.read(0, 0, 8)], 1000), "TransferStatus.Wait/WaitFor"),
+        (lambda: a.deregister_memory(mx), "IOEngine.deregister_memory"),
+        (session.close, "IOEngineSession.close"),
     ):
-        with pytest.raises(RuntimeError, match="loop's own thread"):
+        # the error names the call, so the caller knows which one to move off the loop
+        with pytest.raises(RuntimeError, match=f"^{re.escape(name)} blocks .* loop's own thread"):
             on_loop(a, blocking)
     # what does not wait for the loop works there, and the engine is still fine afterwards
     desc = on_loop(a, lambda: a.register_torch_tensor(np.zeros(16, dtype=np.uint8)))
@@ -204,3 +208,26 @@ def test_every_engine_call_from_a_user_thread_runs_on_the_loop_thread(pair: tupl
     worker.join(60)
     assert not worker.is_alive()
     assert not failures, failures
+
+
+def test_an_error_on_the_loop_thread_is_logged_with_its_traceback_and_the_loop_goes_on(
+    pair: tuple[IOEngine, IOEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = pair
+
+    def broken() -> None:
+        raise ZeroDivisionError("a callback's bug")
+
+    with caplog.at_level(logging.ERROR, logger="moriio_async"):
+        a.loop.call_soon_threadsafe(broken)
+        deadline = time.monotonic() + 5
+        while not caplog.records:
+            assert time.monotonic() < deadline, "nothing was logged"
+            time.sleep(0.005)
+    (record,) = caplog.records
+    assert record.name == "moriio_async" and record.levelno == logging.ERROR
+    assert record.getMessage().startswith("moriio_async compat loop: Exception in callback")
+    assert record.exc_info is not None and isinstance(record.exc_info[1], ZeroDivisionError)
+    _, mx = register(a, 64)
+    _, my = register(b, 64)
+    assert a.write(mx, 0, my, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS

@@ -160,6 +160,23 @@ async def test_closing_a_session_closes_the_answering_pair_it_had_on_the_peer(pa
     await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)  # the other session is intact
 
 
+async def test_a_new_incarnations_hello_closes_every_answering_pair_of_the_old_one_and_its_own_work(
+    pair: Pair,
+) -> None:
+    """b answers a pair for a's session; another engine under key "a" (a restart) says hello: the old
+    incarnation's pair and links close, and the new one's session gets a pair of its own that works."""
+    assert pair.b.statistics().peers.answering_qps == 1
+    async with IOEngine("a", IOEngineConfig(backend=pair.a.backend_name)) as a2:
+        desc = a2.register_memory(bytearray(64))
+        peer = await a2.connect(pair.b.address)
+        assert pair.b.statistics().peers.answering_qps == 0  # the old incarnation's, closed with its hello
+        await until(lambda: not pair.session.alive())
+        session = await a2.create_session(desc, peer.memory["kv"])
+        await waiting_for_transfer_complete(session.read(0, 0, 64), timeout=10)
+        assert pair.b.statistics().peers.answering_qps == 1
+        await session.close()
+
+
 async def test_another_peers_close_qp_naming_a_s_answering_pairs_closes_nothing_of_a_s(
     pair: Pair, backend: str
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import pytest
 
@@ -176,6 +177,37 @@ async def test_the_table_files_only_terminal_codes_and_forgets_a_restarted_peer(
     assert table.record("p", 1, StatusCode.SUCCESS) and table.record("p", 2, StatusCode.ERR_RDMA_OP)
     table.forget("p")
     assert table.pop("p", 1) is None and len(table) == 0
+
+
+def test_a_dropped_status_is_logged_naming_it_the_counts_and_both_bounds(caplog: pytest.LogCaptureFixture) -> None:
+    """The operator reads which entry went, how many so far, both settings that bound the table, and
+    what takes entries; at a halving rate (the 1st, 2nd, 4th... drop)."""
+    table = InboundStatuses(max_per_peer=2, max_bytes=1 << 20)
+    with caplog.at_level(logging.WARNING, logger="moriio_async"):
+        for uid in range(6):  # uids 0..3 dropped in turn
+            assert table.record("initiator-a", uid, StatusCode.SUCCESS)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"inbound status of initiator-a uid {uid} dropped unpopped ({n} dropped so far, 0 for the byte bound): at "
+        "most 2 are kept per initiator (max_inbound_statuses) and 1048576 bytes in all (max_inbound_status_bytes); "
+        "pop_inbound_transfer_status takes them"
+        for uid, n in ((0, 1), (1, 2), (3, 4))
+    ]
+    assert (table.dropped, table.dropped_for_bytes, len(table)) == (4, 0, 2)
+
+
+async def test_a_wait_that_was_cancelled_leaves_its_place_to_the_next_one() -> None:
+    """One waiter per (peer, uid) at a time: once a wait gave up, another may wait, and gets the entry."""
+    table = InboundStatuses(max_per_peer=8)
+    gave_up = asyncio.ensure_future(table.wait("p", 5))
+    await asyncio.sleep(0)
+    gave_up.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await gave_up
+    again = asyncio.ensure_future(table.wait("p", 5))
+    await asyncio.sleep(0)
+    assert table.record("p", 5, StatusCode.ERR_RDMA_OP)
+    assert await again is StatusCode.ERR_RDMA_OP
+    assert table.pop("p", 5) is None and len(table) == 0  # taken by the waiter
 
 
 async def test_a_restarted_initiator_starts_with_no_statuses(backend: str) -> None:

@@ -18,7 +18,7 @@ from moriio_async import (
 )
 from moriio_async.descriptors import new_incarnation
 
-from ..control.wire import closed_by_peer, frame, hello, open_raw, read_message, until
+from ..control.wire import b64, close, closed_by_peer, engine_fields, frame, hello, open_raw, read_message, until
 from .conftest import Pair, make_pair
 
 SECRET = b"the-shared-secret-of-this-test-run"
@@ -284,3 +284,83 @@ async def test_proof_guesses_past_the_budget_each_wait_and_one_mistake_costs_not
         assert honest.welcomed, "an honest peer behind the guesser's address is delayed, not refused"
         await honest.close()
         assert b.statistics().guard.delayed == 11
+
+
+async def _refused_after_challenge(address: str, answer: object | None) -> dict[str, object]:
+    """Say an authenticating hello as "c", then answer the challenge with ``answer`` (None: hang up)."""
+    reader, writer = await open_raw(address)
+    writer.write(frame({"op": "hello", "id": 1, "engine": engine_fields("c"), "auth": True, "nonce": b64(bytes(32))}))
+    await writer.drain()
+    challenge = await read_message(reader)
+    assert challenge["op"] == "challenge" and challenge["re"] == 1
+    if answer is None:
+        await close(writer)
+        return {}
+    writer.write(frame(answer))
+    await writer.drain()
+    try:
+        reply = await read_message(reader) if not (isinstance(answer, dict) and answer["op"] == "error") else {}
+    finally:
+        await close(writer)
+    return reply
+
+
+REFUSALS = {
+    # name: (what the client sends, the refusal's reason, its re, its message); a None reply: the client left
+    "not-a-hello-first": (
+        [{"op": "proof", "id": 7, "proof": b64(bytes(32))}],
+        ("handshake", None, "the first control frame must be a hello request"),
+    ),
+    "short-nonce": (
+        [{"op": "hello", "id": 3, "engine": engine_fields("c"), "auth": True, "nonce": b64(bytes(16))}],
+        ("auth", 3, "the hello's nonce must have 32 bytes"),
+    ),
+    "no-secret": (
+        [{"op": "hello", "id": 4, "engine": engine_fields("c")}],
+        ("auth", 4, "engine 'b' accepts only peers that prove its shared secret, and 'c' has none"),
+    ),
+    "challenge-answered-by-a-hello": (
+        {"op": "hello", "id": 2, "engine": engine_fields("c")},
+        ("auth", None, "a challenge must be answered with a proof"),
+    ),
+    "wrong-proof": (
+        {"op": "proof", "id": 5, "proof": b64(bytes(32))},
+        ("auth", 5, "'c''s proof does not match engine 'b''s secret"),
+    ),
+    "challenge-refused": (
+        {"op": "error", "re": 1, "reason": "auth", "message": "your proof is wrong"},
+        (None, None, "the dialer did not accept this engine's proof: your proof is wrong"),
+    ),
+    "left-before-proving": (
+        None,
+        (None, None, "the dialer did not accept this engine's proof: it closed the connection before proving"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+async def test_every_refused_hello_answers_its_request_and_says_why_to_both_ends(
+    backend: str, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hello the listener refuses gets one ``error`` naming the request it refuses (``re``, none for a
+    frame that was no request of the hello's), its reason and a message saying what was wrong; the
+    listener's one warning says the same (also when the client left and cannot be told)."""
+    sent, (reason, re, message) = REFUSALS[case]
+    async with IOEngine("b", IOEngineConfig(backend=backend, secret=SECRET)) as b:
+        caplog.clear()
+        if isinstance(sent, list):
+            reader, writer = await open_raw(b.address)
+            writer.write(b"".join(frame(m) for m in sent))
+            await writer.drain()
+            reply = await read_message(reader)
+            await close(writer)
+        else:
+            reply = await _refused_after_challenge(b.address, sent)
+        if reason is None:
+            assert reply == {}  # nobody left to answer
+        else:
+            assert (reply["op"], reply["reason"], reply["re"], reply["message"]) == ("error", reason, re, message)
+        await until(lambda: b.statistics().guard.rogue_hellos == 1)
+        lines = warnings(caplog)
+        assert len(lines) == 1 and lines[0].endswith(message), lines
+        assert b.statistics().peers.peers == 0

@@ -1,0 +1,52 @@
+"""MORIIO_ASYNC_TRACE: one JSON line per posted status of a compat engine, written when the status ends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moriio_async.compat.mori import StatusCode
+
+from .conftest import make_pair, register
+
+
+def test_each_posted_status_is_one_line_in_its_engines_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "trace"  # made by the first engine that traces
+    monkeypatch.setenv("MORIIO_ASYNC_TRACE", str(folder))
+    a, b = make_pair("traced", "tcp")
+    try:
+        _, mx = register(a, 8192)
+        _, my = register(b, 8192)
+        session = a.create_session(mx, my)
+        assert session is not None
+        assert session.batch_write([0, 4096], [0, 4096], [1024, 512]).WaitFor(10_000) is StatusCode.SUCCESS
+        assert session.read(0, 0, 100).WaitFor(10_000) is StatusCode.SUCCESS
+        assert session.write(0, 8000, 300).Code() is StatusCode.ERR_INVALID_ARGS  # refused before posting: no line
+    finally:
+        a.close()
+        b.close()
+    files = sorted(folder.iterdir())
+    assert len(files) == 2 and all(f.suffix == ".jsonl" for f in files)  # one per engine
+    lines = {f: [json.loads(line) for line in f.read_text().splitlines()] for f in files}
+    (traced,) = [records for records in lines.values() if records]  # the target posted nothing
+    assert [(r["engine"], r["op"], r["bytes"], r["code"], r["transport"]) for r in traced] == [
+        (a.key, "write", 1536, 0, "tcp"),
+        (a.key, "read", 100, 0, "tcp"),
+    ]
+    assert all(0 < r["t0"] <= r["t1"] for r in traced)
+
+
+def test_without_the_variable_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORIIO_ASYNC_TRACE", "")
+    monkeypatch.chdir(tmp_path)
+    a, b = make_pair("untraced", "tcp")
+    try:
+        _, mx = register(a, 64)
+        _, my = register(b, 64)
+        assert a.write(mx, 0, my, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
+    finally:
+        a.close()
+        b.close()
+    assert list(tmp_path.iterdir()) == []
