@@ -112,6 +112,23 @@ def test_a_batch_over_the_limit_or_behind_an_unpolled_one_goes_to_the_worker_in_
     assert np.array_equal(pair.b.buf[1 << 20 : 3 << 20], pair.a.buf[1 << 20 : 3 << 20])
 
 
+def test_inline_bytes_is_the_largest_batch_the_posting_thread_copies(
+    pairs: PairFactory, backend_name: str, runs: list[int]
+) -> None:
+    limit = 64 << 10
+    pair = pairs(1 << 20, 1 << 20, specific=CmaOptions(inline_bytes=limit))
+    pair.a.buf[:] = random_bytes(1 << 20, 9)
+    me = threading.get_ident()
+    # Exactly inline_bytes, in two requests: the posting thread, done when post returns.
+    pair.a.qp.post_send([pair.write(1, 0, limit // 2, 0), pair.write(2, limit // 2, limit // 2, limit // 2)])
+    assert wr_ids(pair.a.cq.poll(8)) == [1, 2] and runs == [me]
+    # One byte more, to the idle pair: the worker.
+    wcs = pair.run([pair.write(3, limit, limit + 1, limit)])
+    assert statuses(wcs) == [WcStatus.SUCCESS]
+    assert len(runs) == 2 and runs[1] != me
+    assert np.array_equal(pair.b.buf[: 2 * limit + 1], pair.a.buf[: 2 * limit + 1])
+
+
 @MODES
 @pytest.mark.parametrize("opcode", [Opcode.RDMA_WRITE, Opcode.RDMA_READ])
 def test_a_revoked_region_fails_on_either_path_and_nothing_moves(

@@ -198,3 +198,22 @@ def test_a_delayed_guess_waits_on_a_timer_while_other_peers_are_served() -> None
             assert not ready, "the guess is still waiting to be heard"
             guess.settimeout(10)
             assert dw.HELLO_ACK.unpack(dw.recv_exactly(guess, dw.HELLO_ACK.size))[2] == dw.UNKNOWN_TOKEN
+
+
+def test_connections_past_their_hello_never_count_against_the_hello_caps() -> None:
+    # Ten connections from one address, one after another, through caps of two in their hello at once: each
+    # one that finished its hello is out of the hello set (never evicted to make room for a later dial),
+    # so every one of them is still served afterwards.
+    with pairs(10, max_data_hellos=2, max_data_hellos_per_address=2, hello_timeout=0.2) as p:
+        socks: list[socket.socket] = []
+        try:
+            for token in p.tokens:
+                sock, status = dw.dial(p.port, token)
+                socks.append(sock)
+                assert status == dw.OK
+                time.sleep(0.12)  # past half the hello deadline: ripe for eviction, were it still in its hello
+            for i, sock in enumerate(socks):
+                served(p, sock, 2 * i, 4096 * i)
+        finally:
+            for sock in socks:
+                sock.close()
