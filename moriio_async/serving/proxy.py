@@ -60,15 +60,26 @@ log = logging.getLogger("moriio_async.serving")
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
+    """The proxy's instances, the model they must all serve, and its deadlines (seconds)."""
+
     prefill: list[str]
+    """Base URLs of the prefill instances."""
     decode: list[str]
+    """Base URLs of the decode instances."""
     model: ModelConfig
+    """The model every instance must serve: one whose health reports another fingerprint is not used."""
     mode: Mode = "write"
+    """How the KV cache travels: prefill WRITEs it into decode's blocks, or decode READs it from prefill's."""
     transfer_timeout: float = 30.0
     control_timeout: float = 5.0
     admission_timeout: float = 10.0
+    """The instances' deadlines, as given to them (``InstanceSettings``): together they bound a leg
+    (``leg_timeout``)."""
     max_attempts: int = 3
+    """Tries of one request, the first included: after a retryable failure the next pair of instances
+    leaves out the one blamed."""
     health_interval: float = 0.5
+    """Seconds between two rounds of health probes of the instances."""
 
     @property
     def leg_timeout(self) -> float:
