@@ -73,8 +73,8 @@ class ProxySettings:
     transfer_timeout: float = 30.0
     control_timeout: float = 5.0
     admission_timeout: float = 10.0
-    """The instances' deadlines, as given to them (``InstanceSettings``): together they bound a leg
-    (``leg_timeout``)."""
+    """The instances' deadlines (the same flags as their ``InstanceSettings``): the proxy bounds each leg
+    by them (``leg_timeout``)."""
     max_attempts: int = 3
     """Tries of one request, the first included: after a retryable failure the next pair of instances
     leaves out the one blamed."""
