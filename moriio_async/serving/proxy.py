@@ -63,9 +63,8 @@ class ProxySettings:
     """The proxy's instances, the model they must all serve, and its deadlines (seconds)."""
 
     prefill: list[str]
-    """Base URLs of the prefill instances."""
     decode: list[str]
-    """Base URLs of the decode instances."""
+    """The instances' base URLs, by role."""
     model: ModelConfig
     """The model every instance must serve: one whose health reports another fingerprint is not used."""
     mode: Mode = "write"
@@ -73,11 +72,9 @@ class ProxySettings:
     transfer_timeout: float = 30.0
     control_timeout: float = 5.0
     admission_timeout: float = 10.0
-    """The instances' deadlines (the same flags as their ``InstanceSettings``): the proxy bounds each leg
-    by them (``leg_timeout``)."""
+    """The instances' own deadlines (the same flags): the proxy bounds each leg by them (``leg_timeout``)."""
     max_attempts: int = 3
-    """Tries of one request, the first included: after a retryable failure the next pair of instances
-    leaves out the one blamed."""
+    """Tries of one request, the first included; after a retryable failure, the instance blamed is left out."""
     health_interval: float = 0.5
     """Seconds between two rounds of health probes of the instances."""
 
