@@ -99,13 +99,19 @@ class TransferFailed(MoriioError):
         super().__init__(message, hint=hint)
         self.message = message
         self.code = code
+        """MoRI-IO's code the transfer ended with (a failure: above 10)."""
         self.wc_status = wc_status
+        """The status of the work completion that reported the failure; None when none did."""
         self.vendor_err = vendor_err
+        """That completion's vendor error: the device's (``ibv_wc.vendor_err``), or a software NIC's own (0: none)."""
         self.peer = peer
+        """The key of the engine at the other end."""
         self.qp_num = qp_num
+        """The queue pair the failure was reported on; None when none was."""
         self.transfer_id = transfer_id
         self.local_offsets = tuple(local_offsets)
         self.remote_offsets = tuple(remote_offsets)
+        """The transfer's blocks: their offsets in the local region and in the remote one."""
 
     def line(self) -> str:
         """The one-line form used inside a ``TransferError``'s message."""

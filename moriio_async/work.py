@@ -104,14 +104,17 @@ class WorkBatch:
 
     wr_id: int
     opcode: U8
+    """Each request's ``Opcode`` value (RDMA_READ or RDMA_WRITE)."""
     remote_addr: U64
     rkey: U32
     length: U64
     signaled: Bools
+    """Whether a request completes when it succeeds; a later signaled completion covers an unsignaled one."""
     sge_start: I64
     sge_addr: U64
     sge_length: U64
     sge_lkey: U32
+    """The local key of the registered region each entry lies in."""
 
     def __len__(self) -> int:
         return len(self.opcode)

@@ -116,15 +116,19 @@ class BackendOptions:
     sq_depth: int = 256
     """Requested send-queue depth; a backend clips it to what the device allows."""
     max_sge: int = 16
+    """Most scatter/gather entries per work request; a backend clips it to what the device allows."""
     retry_timeout: float = 5.0
     """Silence after which an outstanding request fails with RETRY_EXC_ERR."""
     connect_timeout: float = 10.0
+    """Seconds a queue pair's connection to its peer may take."""
     hello_timeout: float = 5.0
     """TCP: seconds from the accept for a data connection's whole hello (at most ``connect_timeout``)."""
     max_failures_per_source: int = 16
     """TCP: unknown tokens and refused remote accesses one source may cause within ``failure_lockout``
     before each of its data connections waits a quarter of the hello deadline, for ``failure_lockout`` seconds."""
     failure_lockout: float = 30.0
+    """TCP: the window ``max_failures_per_source`` counts over, and how long a source over it stays delayed
+    (seconds)."""
     qp_tag: int = 0
     """The backend's place among its engine's (0: the first): its pairs are numbered
     ``qp_tag << TAG_SHIFT | n``, so no two backends of one engine hand out the same number. Their

@@ -46,7 +46,9 @@ class Opened:
 
     qp: QueuePair
     key: str
+    """The peer's engine key."""
     incarnation: int
+    """The peer's incarnation when the pair was opened (a restarted peer has another)."""
     remote_qp: int
     """The peer's answering pair, as ``close_qp`` names it."""
     link: ControlLink

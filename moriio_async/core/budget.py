@@ -67,7 +67,10 @@ class FailureBudget:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_failures = max_failures
+        """Failures one source may cause within ``lockout`` seconds; the one that reaches it locks the source."""
         self.lockout = lockout
+        """Seconds: the window failures are counted over, and how long a source that reached
+        ``max_failures`` stays locked."""
         self._max_sources = max_sources
         self._clock = clock
         self._lock = threading.Lock()

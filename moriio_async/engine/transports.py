@@ -77,7 +77,10 @@ class Transport:
     name: str
     backend: Backend
     cq: CompletionQueue
+    """The one completion queue all of this backend's queue pairs complete into."""
     tag: int
+    """Its place in the engine's order (0: the primary): the backend's ``qp_tag``, and the index of a local
+    region's memory registration with it (``mr_for``)."""
 
     def desc(self) -> TransportDesc:
         return TransportDesc(self.name, self.backend.scope())

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -44,7 +44,7 @@ from .messages import (
     WriteDone,
     WriteFailed,
 )
-from .web import instance_app, read_json
+from .web import add_json_route, instance_app
 
 __all__ = ["DecodeServer", "Generation", "create_decode_app"]
 
@@ -242,18 +242,16 @@ class DecodeServer:
             return Generation(inst, req, blocks, first), stats
 
 
+async def _generate(srv: DecodeServer, req: GenerateRequest) -> Response:
+    gen, stats = await srv.generate(req)
+    headers = {"x-kv-" + k.replace("_", "-"): str(v) for k, v in msgspec.structs.asdict(stats).items()}
+    return StreamingResponse(
+        gen.lines(), media_type="application/x-ndjson", headers=headers, background=BackgroundTask(gen.close)
+    )
+
+
 def create_decode_app(settings: InstanceSettings) -> FastAPI:
     """The decode instance's FastAPI app; its lifespan starts and closes the engine."""
     app, server = instance_app(settings, "decode", DecodeServer)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        srv = server()
-        req = await read_json(request, GenerateRequest)
-        gen, stats = await srv.generate(req)
-        headers = {"x-kv-" + k.replace("_", "-"): str(v) for k, v in msgspec.structs.asdict(stats).items()}
-        return StreamingResponse(
-            gen.lines(), media_type="application/x-ndjson", headers=headers, background=BackgroundTask(gen.close)
-        )
-
+    add_json_route(app, "/generate", GenerateRequest, server, _generate)
     return app

@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ __all__ = [
     "kill_group",
     "log_tail",
     "signal_group",
+    "start_group",
     "stop_group",
 ]
 
@@ -95,17 +97,8 @@ class Launcher:
         argv += ["--port", str(child.port), "--parent-watch", *child.args]
         if child.role != "proxy":
             argv += ["--name", child.name]
-        with child.log.open("ab") as log:
-            log.write(f"== start {child.starts}: {' '.join(argv)}\n".encode())
-            log.flush()
-            child.proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-                env=self.env,
-                start_new_session=True,
-            )
+        pipe = asyncio.subprocess.PIPE  # stdin: --parent-watch; stdout: the line with its URL
+        child.proc = await start_group(argv, child.log, child.starts, env=self.env, stdin=pipe, stdout=pipe)
         assert child.proc.stdout is not None
         try:
             line = await asyncio.wait_for(child.proc.stdout.readline(), self.startup_timeout)
@@ -155,6 +148,32 @@ def log_tail(log: Path, lines: int) -> str:
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+async def start_group(
+    argv: list[str],
+    log: Path,
+    start: int,
+    *,
+    env: Mapping[str, str],
+    stdin: int,
+    stdout: int | None = None,
+    preexec_fn: Callable[[], object] | None = None,
+) -> asyncio.subprocess.Process:
+    """``argv`` as the leader of a new process group (``signal_group``, ``stop_group``), its stderr, and its
+    stdout unless ``stdout`` says otherwise, appended to ``log`` after a line saying it is start ``start``."""
+    with log.open("ab") as out:
+        out.write(f"== start {start}: {' '.join(argv)}\n".encode())
+        out.flush()
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=stdin,
+            stdout=out if stdout is None else stdout,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
 
 
 def signal_group(proc: asyncio.subprocess.Process | None, sig: signal.Signals) -> None:

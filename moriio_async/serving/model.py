@@ -57,13 +57,19 @@ class ModelConfig:
     """Shape of the model and of its KV cache blocks; the weights follow from ``seed``."""
 
     name: str = "moriio-tiny"
+    """The name the OpenAI API serves it under: a request's ``model`` must be this."""
     d_model: int = 256
+    """Width of each token's vector; it splits into ``n_heads`` heads of an even size."""
     n_layers: int = 4
     n_heads: int = 4
     d_ff: int = 1024
+    """Width of each layer's feed-forward hidden layer."""
     block_size: int = 16
+    """Tokens per KV cache block: the unit the pool lends and a transfer moves."""
     max_model_len: int = 1024
+    """Longest sequence (prompt and generated tokens) a request may reach."""
     seed: int = 0
+    """Seeds the weights: processes with equal configs hold the same weights bit for bit."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:

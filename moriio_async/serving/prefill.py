@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 
 from moriio_async import MoriioError, Session, Transfer, TransferError, waiting_for_transfer_complete
 
@@ -38,7 +38,7 @@ from .messages import (
     WriteFailed,
 )
 from .rendezvous import Abandoned, Rendezvous
-from .web import instance_app, json_response, read_json
+from .web import add_json_route, instance_app, json_response
 
 __all__ = ["PrefillServer", "create_prefill_app"]
 
@@ -235,14 +235,12 @@ class PrefillServer:
         self._end_lease(request_id)
 
 
+async def _prefill(srv: PrefillServer, req: PrefillRequest) -> Response:
+    return json_response(await srv.prefill(req))
+
+
 def create_prefill_app(settings: InstanceSettings) -> FastAPI:
     """The prefill instance's FastAPI app; its lifespan starts and closes the engine."""
     app, server = instance_app(settings, "prefill", PrefillServer)
-
-    @app.post("/prefill")
-    async def prefill(request: Request) -> Response:
-        srv = server()
-        req = await read_json(request, PrefillRequest)
-        return json_response(await srv.prefill(req))
-
+    add_json_route(app, "/prefill", PrefillRequest, server, _prefill)
     return app

@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Protocol, TypeVar
 
@@ -29,7 +29,7 @@ from .instance import Instance, ServingError
 from .messages import AbortRequest, ErrorBody
 from .metrics import CONTENT_TYPE
 
-__all__ = ["add_instance_routes", "instance_app", "json_response", "read_body", "read_json", "serve"]
+__all__ = ["add_instance_routes", "add_json_route", "instance_app", "json_response", "read_body", "read_json", "serve"]
 
 log = logging.getLogger("moriio_async.serving")
 T = TypeVar("T")
@@ -128,12 +128,29 @@ def instance_app(
         getter()  # ServingError(503) until the lifespan has started the instance
         return servers[0]
 
-    @app.post("/abort")
-    async def abort(request: Request) -> Response:
-        server().abort((await read_json(request, AbortRequest)).request_id)
+    async def abort(srv: S, req: AbortRequest) -> Response:
+        srv.abort(req.request_id)
         return json_response({"ok": True})
 
+    add_json_route(app, "/abort", AbortRequest, server, abort)
     return app, server
+
+
+def add_json_route(
+    app: FastAPI,
+    path: str,
+    kind: type[T],
+    server: Callable[[], S],
+    handle: Callable[[S, T], Awaitable[Response]],
+) -> None:
+    """``POST path``: ``handle`` the role's server (503 while the instance starts, before the body is read)
+    and the body as a ``kind`` (400 if it is not one)."""
+
+    async def route(request: Request) -> Response:
+        srv = server()
+        return await handle(srv, await read_json(request, kind))
+
+    app.post(path, name=path.strip("/"))(route)
 
 
 def _watch_parent(server: uvicorn.Server, loop: asyncio.AbstractEventLoop) -> None:

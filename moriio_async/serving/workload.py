@@ -61,10 +61,23 @@ class Result:
     gaps: list[float] = field(default_factory=list)
     kv: KvTransfer = field(default_factory=KvTransfer)
     """The proxy's ``kv_transfer`` (its defaults where the proxy sent none: a vLLM proxy's)."""
+    _last: float = field(default=0.0, init=False, repr=False, compare=False)  # when add_text last took a piece
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and not self.error
+
+    def add_text(self, text: str, now: float) -> None:
+        """A streamed piece of the completion arrived at ``now`` (``perf_counter``): the first one sets
+        ``ttft``, each later one adds its gap since the one before. Empty pieces are no tokens."""
+        if not text:
+            return
+        if self.ttft is None:
+            self.ttft = now - self.started
+        else:
+            self.gaps.append(now - self._last)
+        self._last = now
+        self.text += text
 
 
 async def stream_completion(
@@ -80,7 +93,6 @@ async def stream_completion(
     """One streamed completion (``extra``: more body fields); never raises (the result says what went wrong)."""
     res = Result(index, started=time.perf_counter())
     body = {**(extra or {}), "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    last = res.started
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as resp:
             res.status = resp.status_code
@@ -96,13 +108,7 @@ async def stream_completion(
                     break
                 now = time.perf_counter()
                 for choice in event.get("choices", []):
-                    if choice["text"]:
-                        if res.ttft is None:
-                            res.ttft = now - res.started
-                        else:
-                            res.gaps.append(now - last)
-                        last = now
-                        res.text += choice["text"]
+                    res.add_text(choice["text"], now)
                 if "kv_transfer" in event:
                     res.kv = msgspec.convert(event["kv_transfer"], KvTransfer)
     except httpx.HTTPError as exc:

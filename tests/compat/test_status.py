@@ -36,8 +36,8 @@ def later(delay: float, fn: object, *args: object) -> threading.Thread:
 
 
 def test_the_codes_are_moriio_async_s_one_for_one() -> None:
-    # Two tables of MoRI-IO's codes (an IntEnum with members cannot be extended, and this one prints as
-    # pybind11 does): they must not drift apart.
+    # compat's enum takes its values from moriio_async's table member by member (an IntEnum with members
+    # cannot be extended, and this one prints as pybind11 does): no member may be left out or added.
     assert [(c.name, int(c)) for c in StatusCode] == [(c.name, int(c)) for c in moriio_async.StatusCode]
 
 

@@ -12,6 +12,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from moriio_async.serving.vllm.client import openai_load
+from moriio_async.serving.workload import Result, run_load
+
 from ..control.wire import ENV_SECRET, hello
 from .fleet import MODEL, ServedFleet, reference, serve
 
@@ -188,3 +191,22 @@ def test_metrics_present_and_moving(fleet: ServedFleet, client: openai.OpenAI) -
     assert moved(fleet.url, 'moriio_proxy_requests_total{status="200"}') == 1
     assert moved(fleet.url, "moriio_proxy_ttft_seconds_count") == 1
     assert moved(fleet.url, "moriio_proxy_kv_transfer_seconds_count") == 1
+
+
+async def test_both_load_clients_record_the_reference_text_and_a_gap_per_later_token(fleet: ServedFleet) -> None:
+    # The vLLM demo's client (the openai package) and the numpy demo's (httpx) share Result.add_text.
+    prompts = PROMPTS[:2]
+    via_openai = await openai_load(f"{fleet.url}/v1", MODEL.name, prompts, 6, 2, 60.0)
+    async with httpx.AsyncClient() as web:
+        via_httpx = await run_load(web, fleet.url, MODEL.name, prompts, 6, 2, 60.0)
+    for results in (via_openai, via_httpx):
+        assert [r.text for r in results] == [reference(p, 6) for p in prompts]
+        for r in results:
+            assert r.ok and r.ttft is not None and len(r.gaps) == 5 and min(r.gaps) >= 0
+
+
+def test_a_result_times_the_first_piece_and_the_gaps_after_it() -> None:
+    res = Result(0, started=10.0)
+    for text, now in (("", 10.5), ("he", 11.0), ("", 11.5), ("l", 12.5), ("lo", 12.75)):
+        res.add_text(text, now)
+    assert (res.text, res.ttft, res.gaps) == ("hello", 1.0, [1.5, 0.25])

@@ -35,10 +35,13 @@ class GidEntry:
     """One row of a port's GID table."""
 
     index: int
+    """The row: what a path names as its source GID index."""
     gid: str
     """Eight colon-separated 16-bit groups, as pyverbs prints it."""
     gid_type: int
+    """``enum ibv_gid_type`` (``type_name``: IB, RoCE v1, RoCE v2)."""
     ndev_ifindex: int = 0
+    """The network interface the GID belongs to, by index (0: none)."""
 
     @property
     def type_name(self) -> str:
@@ -67,11 +70,17 @@ class DeviceLimits:
     """The device capabilities the backend clips its requests to."""
 
     max_qp_wr: int
+    """Most outstanding work requests of one queue pair: the send-queue depth is clipped to it."""
     max_sge: int
+    """Most scatter/gather entries of one work request."""
     max_cqe: int
+    """Most entries of one completion queue."""
     max_qp_rd_atom: int
+    """Most RDMA READs a queue pair answers at once, as the target."""
     max_qp_init_rd_atom: int
+    """Most RDMA READs a queue pair has outstanding at once, as the initiator."""
     max_mr_size: int
+    """Largest memory region one registration may cover, in bytes."""
     phys_port_cnt: int
 
 

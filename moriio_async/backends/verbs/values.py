@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...errors import MoriioError
 
@@ -44,8 +45,13 @@ def event_fds() -> set[int]:
     return found
 
 
-@dataclass(frozen=True, slots=True)
-class RawCompletion:
+class RawCompletion(NamedTuple):
+    """One polled work completion's numbers, as ``ibv_wc`` holds them (the CQ makes a ``WorkCompletion`` of it).
+
+    A NamedTuple, not a frozen dataclass: one is built per polled completion, and a frozen
+    dataclass pays an ``object.__setattr__`` per field (as ``WorkCompletion`` says).
+    """
+
     wr_id: int
     status: int
     vendor_err: int

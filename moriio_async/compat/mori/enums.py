@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 import logging
 
+from moriio_async import StatusCode as _Code
+
 __all__ = ["BackendType", "MemoryLocationType", "PollCqMode", "StatusCode", "set_log_level"]
 
 
@@ -26,14 +28,16 @@ class _PybindStyle(enum.IntEnum):
 class StatusCode(_PybindStyle):
     """A transfer's state: ``Failed()`` means a code above ``ERR_BEGIN`` (10)."""
 
-    SUCCESS = 0
-    INIT = 1
-    IN_PROGRESS = 2
-    ERR_INVALID_ARGS = 11
-    ERR_NOT_FOUND = 12
-    ERR_RDMA_OP = 13
-    ERR_BAD_STATE = 14
-    ERR_GPU_OP = 15
+    # The values are moriio_async's (one table, in ``moriio_async.status``); this class only adds the
+    # pybind11 printing, and an IntEnum with members cannot be subclassed to add it.
+    SUCCESS = _Code.SUCCESS.value
+    INIT = _Code.INIT.value
+    IN_PROGRESS = _Code.IN_PROGRESS.value
+    ERR_INVALID_ARGS = _Code.ERR_INVALID_ARGS.value
+    ERR_NOT_FOUND = _Code.ERR_NOT_FOUND.value
+    ERR_RDMA_OP = _Code.ERR_RDMA_OP.value
+    ERR_BAD_STATE = _Code.ERR_BAD_STATE.value
+    ERR_GPU_OP = _Code.ERR_GPU_OP.value
 
 
 ERR_BEGIN = 10

@@ -21,7 +21,6 @@ __all__ = ["openai_load"]
 
 async def _one(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, index: int) -> Result:
     res = Result(index, started=time.perf_counter())
-    last = res.started
     try:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
@@ -29,13 +28,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: 
         async for chunk in stream:
             now = time.perf_counter()
             for choice in chunk.choices:
-                if choice.text:
-                    if res.ttft is None:
-                        res.ttft = now - res.started
-                    else:
-                        res.gaps.append(now - last)
-                    last = now
-                    res.text += choice.text
+                res.add_text(choice.text, now)
         res.status = 200
     except openai.APIStatusError as exc:
         res.status, res.error = exc.status_code, str(exc.message)

@@ -64,11 +64,17 @@ def covered(spans: Sequence[Span], start: float, end: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class TraceSummary:
+    """What a run's transfer spans add up to (``of``)."""
+
     transfers: int
     failed: int
+    """Of the transfers, those that ended with a failure code."""
     nbytes: int
+    """Bytes the successful transfers moved."""
     busy: float
+    """Seconds during which at least one successful transfer was in flight."""
     transports: frozenset[str]
+    """The backends the transfers ran on."""
 
     @classmethod
     def of(cls, spans: Sequence[Span]) -> TraceSummary:

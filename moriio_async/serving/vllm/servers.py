@@ -34,7 +34,7 @@ from typing import Literal
 
 import httpx
 
-from ..launcher import kill_group, log_tail, signal_group, stop_group
+from ..launcher import kill_group, log_tail, signal_group, start_group, stop_group
 
 __all__ = ["ServerSpec", "StartFailed", "VllmFleet", "free_port"]
 
@@ -199,18 +199,14 @@ class VllmFleet:
     async def _spawn(self, srv: Server) -> None:
         srv.starts += 1
         argv = srv.spec.argv(self.python)
-        with srv.log.open("ab") as log:
-            log.write(f"== start {srv.starts}: {' '.join(argv)}\n".encode())
-            log.flush()
-            srv.proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env=self.env_for(srv.spec),
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
+        srv.proc = await start_group(
+            argv,
+            srv.log,
+            srv.starts,
+            env=self.env_for(srv.spec),
+            stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
 
     async def wait_healthy(self, srv: Server) -> None:
         deadline = time.monotonic() + self.startup_timeout
