@@ -326,11 +326,6 @@ class LinkRegistry:
         entry = self._answering.get(qp_num)
         return entry[1] if entry is not None else None
 
-    def session_key_of_answering(self, qp_num: int) -> bytes | None:
-        """The session key of the link answering pair ``qp_num`` was asked for on (its data-plane tokens' root)."""
-        entry = self._answering.get(qp_num)
-        return self.session_key_of(entry[0]) if entry is not None else None
-
     def note_opened(self, link: ControlLink, qp_num: int) -> None:
         state = self._links.get(link)
         if state is not None:

@@ -129,12 +129,24 @@ async def test_a_message_that_does_not_validate_closes_only_its_link_with_one_wa
 
 
 async def test_a_refused_request_gets_its_reason_and_keeps_the_link(pair: Pair) -> None:
+    """Each refused connect_qp says why (the incarnation it is, a connect that failed and how), and the
+    link serves the next request."""
     reader, writer = await raw_hello(pair.b.address, "evil")
+    answering = pair.b.statistics().peers.answering_qps
     try:
         endpoint = {"backend": "mock", "token": "t"}
         writer.write(frame({"op": "connect_qp", "id": 2, "incarnation": pair.b.incarnation ^ 1, "endpoint": endpoint}))
         reply = await read_message(reader)
         assert (reply["op"], reply["re"], reply["reason"]) == ("error", 2, "stale")
+        said = f"is incarnation {pair.b.incarnation:#x}, not {pair.b.incarnation ^ 1:#x}: it restarted"
+        assert said in reply["message"], reply["message"]
+        nobody = {"backend": pair.b.backend_name, "accepting": True, "host": "127.0.0.1", "port": 1, "qp_num": 1,
+                  "token": "zz"}  # fmt: skip
+        writer.write(frame({"op": "connect_qp", "id": 5, "incarnation": pair.b.incarnation, "endpoint": nobody}))
+        reply = await read_message(reader)
+        assert (reply["op"], reply["re"], reply["reason"]) == ("error", 5, "refused")
+        assert reply["message"].startswith("cannot connect the answering queue pair: "), reply["message"]
+        assert pair.b.statistics().peers.answering_qps == answering  # the pair that failed to connect is gone
         writer.write(frame({"op": "memory", "id": 3}))
         reply = await read_message(reader)
         assert (reply["op"], reply["re"]) == ("exports", 3)
@@ -181,9 +193,10 @@ async def test_another_peers_close_qp_naming_a_s_answering_pairs_closes_nothing_
     pair: Pair, backend: str
 ) -> None:
     """A third engine on its own link names every answering pair number near its own in close_qp: only
-    the engine that asked for a pair may close it, so a's pair on b (made just before) stays."""
+    the engine that asked for a pair may close it, so a's pair on b (made just before) stays. The third
+    engine says hello at a's incarnation number: an engine is its key and its incarnation, not either."""
     b = pair.b
-    evil = await hello(b.address, "evil", backend=backend)
+    evil = await hello(b.address, "evil", backend=backend, incarnation=pair.a.incarnation)
     try:
         assert evil.welcomed
         endpoint = {"backend": backend, "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 1,

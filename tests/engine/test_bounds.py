@@ -15,6 +15,7 @@ import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from moriio_async import ControlPlaneError, IOEngine, IOEngineConfig, PeerError, waiting_for_transfer_complete
@@ -132,6 +133,26 @@ async def test_a_dialer_closes_its_idle_link_first_and_redials_when_needed(backe
         assert b.statistics().guard.auth_failures == 0
 
 
+async def test_a_pair_opened_over_an_accepted_link_keeps_it_open_until_that_pair_closes(backend: str) -> None:
+    """b opens its session over the link a dialed (a never idle-closes it: its timeout is long). While the
+    pair is open, b never closes that link as idle; once b closes the session, it carries nothing and b
+    closes it after its idle timeout."""
+    async with (
+        IOEngine("b", IOEngineConfig(backend=backend, link_idle_timeout=0.6)) as b,
+        IOEngine("a", IOEngineConfig(backend=backend)) as a,
+    ):
+        source = np.full(64, 0x5A, np.uint8)
+        dest = np.zeros(64, np.uint8)
+        await a.connect(b.address)
+        session = await b.create_session(b.register_memory(dest), a.register_memory(source, name="kv"))
+        await asyncio.sleep(1.0)  # past b's idle timeout, with only the pair on the link
+        assert b.statistics().guard.idle_closed == 0 and b.statistics().peers.links == 1
+        await waiting_for_transfer_complete([session.read(0, 0, 64)], timeout=10)
+        assert (dest == 0x5A).all()
+        await session.close()
+        await until(lambda: b.statistics().guard.idle_closed == 1 and b.statistics().peers.links == 0)
+
+
 @pytest.mark.limits(max_notifications=8, control_timeout=1.0)
 async def test_a_notification_flood_pushes_back_on_the_sender(tight: Pair) -> None:
     """Issue 8: the notification queue was unbounded (+110 MB). It holds max_notifications; then the
@@ -186,7 +207,8 @@ async def test_answering_pairs_per_link_are_capped(tight: Pair, backend: str) ->
     granted = [r for r in replies if r["op"] == "qp"]
     refused = [r for r in replies if r["op"] == "error"]
     assert len(granted) == 16 and len(refused) == 184
-    assert all("max_answering_qps_per_link" in r["message"] for r in refused)
+    why = "at most 16 answering queue pairs per link (max_answering_qps_per_link)"
+    assert all(why in r["message"] for r in refused)
     assert b.statistics().peers.answering_qps == baseline + 16
     await said.send({"op": "close_qp", "qp": granted[0]["qp"]}, requests[0] | {"id": 999})
     assert (await read_message(said.reader))["op"] == "qp"

@@ -81,3 +81,36 @@ async def test_idle_links_that_said_a_valid_hello_cannot_fill_max_links(backend:
         assert stats.guard.evicted_idle_links == 3 and stats.peers.links == 40 and stats.guard.refused_links == 0
         for h in held:
             await h.close()
+
+
+@pytest.mark.parametrize("initiator", ["a", "b"], ids=["answering-pair", "opened-pair"])
+async def test_at_max_links_a_link_carrying_a_session_is_never_the_idle_one_closed(
+    backend: str, initiator: str
+) -> None:
+    """a dialed b first, so a's link is the oldest at b, idle as long as the rest; but it carries a session
+    (a's, answered by a pair on b; or b's own, opened over that link): the links that carry nothing make room
+    for a newcomer, one each, and a's link and the session stay and work."""
+    cfg = IOEngineConfig(backend=backend, secret="", max_links=4, hello_timeout=1.0)
+    async with IOEngine("b", cfg) as b, IOEngine("a", cfg) as a, IOEngine("c", cfg) as c:
+        source = np.full(1 << 12, 0x5A, np.uint8)
+        dest = np.zeros(1 << 12, np.uint8)
+        exported = b.register_memory(source if initiator == "a" else dest, name="kv")
+        info = await a.connect(b.address)
+        if initiator == "a":
+            session = await a.create_session(a.register_memory(dest), info.memory["kv"])
+        else:  # b opens its pair over the link a dialed (the one b knows a by)
+            session = await b.create_session(exported, a.register_memory(source, name="kv"))
+        held = [
+            await hello(b.address, f"idle{i}", backend=backend, secret=None, source=f"127.5.0.{i + 1}")
+            for i in range(3)
+        ]
+        assert all(h.welcomed for h in held) and b.statistics().peers.links == 4
+        await asyncio.sleep(0.6)  # every link idle past the grace (half the 1 s hello deadline)
+        for _ in range(3):
+            assert (await c.connect(b.address)).engine.key == "b"
+        stats = b.statistics()
+        assert stats.guard.evicted_idle_links == 3 and stats.peers.links == 4
+        await waiting_for_transfer_complete([session.read(0, 0, 1 << 12)], timeout=10)
+        assert (dest == 0x5A).all()
+        for h in held:
+            await h.close()
