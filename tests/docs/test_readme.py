@@ -51,7 +51,16 @@ async def test_readme_example_reads_the_prefill_cache_and_notifies(capsys: Any) 
     cache = (np.arange(4 << 20, dtype=np.uint64) % 251).astype(np.uint8)
     landed = np.zeros_like(cache)
     prefill = asyncio.create_task(example["prefill_side"](cache))
-    await asyncio.wait_for(_listening(port), 20)
+    listening = asyncio.create_task(_listening(port))
+    done, _ = await asyncio.wait({prefill, listening}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+    if prefill in done:
+        listening.cancel()
+        prefill.result()  # whatever ended the prefill side before it listened
+        raise AssertionError("the prefill side returned before anyone connected")
+    if listening not in done:
+        listening.cancel()
+        prefill.cancel()
+        raise AssertionError(f"the prefill side did not listen on port {port} within 20 s")
     await asyncio.wait_for(example["decode_side"](f"127.0.0.1:{port}", landed), 30)
     await asyncio.wait_for(prefill, 10)  # it returns once the notification arrived
     assert np.array_equal(landed, cache)
