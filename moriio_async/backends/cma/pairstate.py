@@ -74,10 +74,16 @@ class PairState(SoftPairState[Span]):
     def admit_locked(self, batch: WorkBatch, whole: bool = False) -> bool:
         """Queue ``batch`` and wake the worker (False: flushed at once, in ERR). ``whole``: the batch is
         one chunk (``Span.whole``)."""
+        queued = self._queue_locked(batch, whole)
+        if queued:
+            self.work_cv.notify()
+        return queued
+
+    def _queue_locked(self, batch: WorkBatch, whole: bool) -> bool:
+        """Queue ``batch`` (False: flushed at once, in ERR), its span marked ``whole``; no thread woken."""
         queued = super().admit_locked(batch)
         if queued:
             self.pending[-1].whole = whole
-            self.work_cv.notify()
         return queued
 
     def admit_inline_locked(self, batch: WorkBatch, whole: bool = False) -> bool:
@@ -85,8 +91,7 @@ class PairState(SoftPairState[Span]):
         idle (RTS, nothing queued, no thread executing, every earlier request's completion polled);
         else it is queued for the worker (or flushed, in ERR) as ``admit_locked`` does, and False."""
         if self.state == QpState.RTS and not self.pending and not self.running and self.used_locked() == 0:
-            super().admit_locked(batch)
-            self.pending[-1].whole = whole
+            self._queue_locked(batch, whole)
             self.running = True
             return True
         self.admit_locked(batch, whole)
