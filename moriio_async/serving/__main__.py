@@ -72,7 +72,8 @@ def _run_instance(args: argparse.Namespace) -> int:
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from .proxy import ProxySettings, create_proxy_app
+    from .config import ProxySettings
+    from .proxy import create_proxy_app
     from .web import serve
 
     settings = ProxySettings(

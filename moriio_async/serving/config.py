@@ -11,9 +11,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal
 
+from .messages import Mode
 from .model import ModelConfig
 
-__all__ = ["InstanceSettings", "Role", "add_model_args", "add_timeout_args", "model_config"]
+__all__ = ["InstanceSettings", "ProxySettings", "Role", "add_model_args", "add_timeout_args", "model_config"]
 
 Role = Literal["prefill", "decode"]
 
@@ -61,6 +62,32 @@ class InstanceSettings:
     def write_wait_timeout(self) -> float:
         """WRITE mode: how long decode waits for write_done/write_failed before asking if prefill is alive."""
         return self.admission_timeout + self.transfer_timeout + 2 * self.control_timeout
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """The proxy's instances, the model they must all serve, and its deadlines (seconds)."""
+
+    prefill: list[str]
+    decode: list[str]
+    """The instances' base URLs, by role."""
+    model: ModelConfig
+    """The model every instance must serve: one whose health reports another fingerprint is not used."""
+    mode: Mode = "write"
+    """How the KV cache travels: prefill WRITEs it into decode's blocks, or decode READs it from prefill's."""
+    transfer_timeout: float = 30.0
+    control_timeout: float = 5.0
+    admission_timeout: float = 10.0
+    """The instances' own deadlines (the same flags): the proxy bounds each leg by them (``leg_timeout``)."""
+    max_attempts: int = 3
+    """Tries of one request, the first included; after a retryable failure, the instance blamed is left out."""
+    health_interval: float = 0.5
+    """Seconds between two rounds of health probes of the instances."""
+
+    @property
+    def leg_timeout(self) -> float:
+        """Longest an instance may take to answer a leg (its own deadlines, all of them, plus margin)."""
+        return 2 * (self.admission_timeout + self.transfer_timeout) + 6 * self.control_timeout
 
 
 def add_model_args(parser: argparse.ArgumentParser, small: ModelConfig | None = None) -> None:

@@ -36,6 +36,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from .api import ApiError, CompletionRequest, Usage, chunk, completion, error_response, model_card, parse_request
+from .config import ProxySettings
 from .fleet import Endpoint, Fleet
 from .instance import ServingError
 from .messages import (
@@ -43,45 +44,18 @@ from .messages import (
     ErrorBody,
     GenerateRequest,
     KvTransfer,
-    Mode,
     PrefillRequest,
     PrefillResponse,
     ProxyHealth,
     TokenLine,
 )
 from .metrics import CONTENT_TYPE, ProxyMetrics
-from .model import ModelConfig, decode_text, encode
+from .model import decode_text, encode
 from .web import json_response, read_body
 
 __all__ = ["Proxy", "ProxySettings", "create_proxy_app"]
 
 log = logging.getLogger("moriio_async.serving")
-
-
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
-    """The proxy's instances, the model they must all serve, and its deadlines (seconds)."""
-
-    prefill: list[str]
-    decode: list[str]
-    """The instances' base URLs, by role."""
-    model: ModelConfig
-    """The model every instance must serve: one whose health reports another fingerprint is not used."""
-    mode: Mode = "write"
-    """How the KV cache travels: prefill WRITEs it into decode's blocks, or decode READs it from prefill's."""
-    transfer_timeout: float = 30.0
-    control_timeout: float = 5.0
-    admission_timeout: float = 10.0
-    """The instances' own deadlines (the same flags): the proxy bounds each leg by them (``leg_timeout``)."""
-    max_attempts: int = 3
-    """Tries of one request, the first included; after a retryable failure, the instance blamed is left out."""
-    health_interval: float = 0.5
-    """Seconds between two rounds of health probes of the instances."""
-
-    @property
-    def leg_timeout(self) -> float:
-        """Longest an instance may take to answer a leg (its own deadlines, all of them, plus margin)."""
-        return 2 * (self.admission_timeout + self.transfer_timeout) + 6 * self.control_timeout
 
 
 class LegError(Exception):

@@ -11,10 +11,11 @@ import msgspec
 import pytest
 
 from moriio_async.serving.api import ApiError
+from moriio_async.serving.config import ProxySettings
 from moriio_async.serving.kvpool import KVLayout
 from moriio_async.serving.messages import EngineRef, ErrorBody, InstanceHealth, PrefillResponse, TransferStats
 from moriio_async.serving.model import ModelConfig
-from moriio_async.serving.proxy import Proxy, ProxySettings
+from moriio_async.serving.proxy import Proxy
 
 SMALL = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, block_size=4, max_model_len=32)
 PREFILL = ["http://prefill-0", "http://prefill-1"]
