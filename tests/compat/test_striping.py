@@ -87,6 +87,25 @@ def test_first_failure_wins_after_all_stripes_end(held: tuple[IOEngine, IOEngine
     assert inbound is not None and inbound.Code() is StatusCode.ERR_RDMA_OP
 
 
+def test_when_every_stripe_fails_the_status_carries_the_first_failure_in_completion_order(
+    held: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = held
+    _, mx = register(a, 8192)
+    _, my = register(b, 8192)
+    session = a.create_session(mx, my)
+    assert session is not None
+    lo, ro, sz = scattered(8)
+    status = session.batch_read(lo, ro, sz, 34)
+    assert status.WaitFor(20) is StatusCode.IN_PROGRESS
+    on_loop(a, session.stripes[1].channel.qp.fail_next, WcStatus.REM_ACCESS_ERR)
+    step(a, session, 1)  # stripe 1 fails first
+    assert status.WaitFor(100) is StatusCode.IN_PROGRESS
+    on_loop(a, session.stripes[0].channel.qp.vanish)  # then stripe 0, with another status
+    assert status.WaitFor(5000) is StatusCode.ERR_RDMA_OP
+    assert "REM_ACCESS_ERR" in status.Message() and "RETRY_EXC_ERR" not in status.Message(), status.Message()
+
+
 def test_post_batch_size_chunks_posting() -> None:
     for post_batch_size, posts in ((1, 6), (-1, 2), (4, 2)):
         a, b = make_pair(
