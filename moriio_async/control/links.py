@@ -16,8 +16,9 @@ Before its hello completes, an accepted link has proved nothing, so it may
 not keep out one that can: at most ``max_hellos`` of them at once, below
 ``max_links``, so the rest is a reserve for links whose hello completed. A
 new connection over that cap closes one in its hello (``make_room``): the
-oldest that has not sent a whole message, a silent one first (nothing had
-come by its accept: the listener peeks), else the oldest that had
+oldest that has not sent a whole message, a silent one first (its whole
+first frame had not come by its accept: the listener peeks; a trickle of
+bytes is silent), else the oldest that had
 ``hello_grace`` (half its deadline); only when every one is younger and has
 sent a whole message is the newcomer refused. The listener takes only a few
 connections a wakeup and has a deep backlog, so the hello of an honest
@@ -89,7 +90,7 @@ class _LinkState:
     opened_at: float = 0.0
     """Loop time of the accept (the link's ``last_activity`` moves on once a whole message arrived)."""
     talking: bool = False
-    """The client had sent something when it was accepted (an honest dialer sends its hello at once)."""
+    """The client's whole first frame had arrived when it was accepted (an honest dialer sends its hello at once)."""
     desc: EngineDesc | None = None
     """Who said hello on the link (None while the handshake runs)."""
     session_key: bytes | None = None
@@ -138,8 +139,8 @@ class LinkRegistry:
         return len(self._hellos)
 
     def make_room(self, pending: int, talking: bool) -> str | None:
-        """Room for one more connection in its hello (``pending``: accepted, not yet open here; ``talking``: it
-        had sent something at accept)? At the cap one goes (``evict``): the oldest silent one (nothing at
+        """Room for one more connection in its hello (``pending``: accepted, not yet open here; ``talking``: its
+        whole first frame had arrived at accept)? At the cap one goes (``evict``): the oldest silent one (nothing at
         accept, no whole message since), else the oldest that has not sent a whole message, else the oldest
         that had ``hello_grace``. None if there is room now, else why not: every one in its hello is young
         and has sent a whole message (a crowd that proves nothing never gets there)."""
@@ -227,7 +228,7 @@ class LinkRegistry:
         talking: bool = False,
     ) -> ControlLink:
         """A new link over a fresh connection; it stays here until it closes (``handler.on_link_closed``).
-        ``talking``: an accepted client had sent something by its accept."""
+        ``talking``: an accepted client's whole first frame had arrived by its accept."""
         link = ControlLink(reader, writer, handler, max_frame=self.limits.max_frame, timeout=self.limits.timeout)
         state = self._links[link] = _LinkState(accepted, link.last_activity, talking)
         if accepted:

@@ -11,12 +11,14 @@ attach to), and ``close`` waits for those tasks instead of cancelling them.
 It is also the one place where accepting can be paused or capped: ``admit``
 is asked about every connection before anything is allocated for it, and a
 refused one gets one ``error`` frame (reason ``busy``) and is closed at once.
-``has_room`` is asked too, with whether the client had already sent
-something when it was accepted (a peek, nothing read): an honest dialer
-sends its hello at once, so at accept under a flood it is "talking", and a
-silent crowd is not. The owner may make room for it (close a connection
-still in its hello) or refuse it. The flag is kept for the owner
-(``talking``), never waited for: the accept loop never blocks.
+``has_room`` is asked too, with whether the client's whole first frame
+had arrived when it was accepted (its length peeked and the bytes queued
+counted, nothing read): an honest dialer sends its hello in one write as
+soon as it connects, so when it is accepted from a queue under a flood it
+is "talking"; a silent crowd is not, nor one that trickles a byte at a
+time. The owner may make room for it (close a connection still in its
+hello) or refuse it. The flag is kept for the owner (``talking``), never
+waited for: the accept loop never blocks.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import ipaddress
 import logging
 import socket
+import struct
+import termios
 from collections import Counter
 from collections.abc import Callable
 
+from ..core.framing import HEADER
 from ..core.protocol import Refused, encode
 
 __all__ = ["Admit", "HasRoom", "Listener"]
@@ -49,7 +55,7 @@ _ROOM_BURST = 16
 """Connections accepted per wakeup when the owner makes room (``has_room``)."""
 HasRoom = Callable[[int, bool], str | None]
 """``has_room(pending in all, talking)``: None if one more connection in its hello may be accepted now (the
-owner may make room for it), else why not."""
+owner may make room for it), else why not. ``talking``: its whole first frame had arrived at accept."""
 
 
 class Listener:
@@ -219,11 +225,21 @@ class Listener:
 
 
 def _talking(conn: socket.socket) -> bool:
-    """The client had sent something by the time it was accepted (peeked, not read; never waits)."""
+    """The client's whole first frame had arrived by the time it was accepted (never reads, never waits).
+
+    Some bytes are not enough: a crowd that trickles a byte now and then would look like honest dialers,
+    and the one in its hello that is closed to make room is chosen among those that are not talking first.
+    Nor is an empty frame (four zero bytes, which a trickle of zeros makes): no message is empty.
+    """
     try:
-        return bool(conn.recv(1, socket.MSG_PEEK))
+        head = conn.recv(HEADER.size, socket.MSG_PEEK)
+        if len(head) < HEADER.size:
+            return False
+        (length,) = HEADER.unpack(head)
+        queued = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, bytes(4)))[0]
     except OSError:  # BlockingIOError: nothing yet
         return False
+    return bool(length and queued >= HEADER.size + length)
 
 
 def _address(conn: socket.socket) -> str:
