@@ -144,6 +144,8 @@ def test_bad_input_fails_the_status_at_once(pair: tuple[IOEngine, IOEngine]) -> 
     assert st.Message() == "lengths of local offsets, remote offsets or sizes mismatch"
     assert session.read(-1, 0, 1).Code() is StatusCode.ERR_INVALID_ARGS
     assert session.read(0, 0, 1.5).Code() is StatusCode.ERR_INVALID_ARGS  # type: ignore[arg-type]
+    for flag in ([True], [0], [1]), ([0], [False], [1]), ([0], [0], [True]):  # a bool is no offset or size
+        assert session.batch_read(*flag).Code() is StatusCode.ERR_INVALID_ARGS, flag  # type: ignore[arg-type]
     huge = session.batch_read([0], [0], [1 << 32])
     assert "exceeds UINT32_MAX" in huge.Message()
     assert a.read(mx, 0, my, 60, 8, 1).Code() is StatusCode.ERR_INVALID_ARGS

@@ -86,6 +86,25 @@ def test_a_refiled_uid_is_counted_once() -> None:
     assert table.bytes == 0
 
 
+def test_a_refiled_uid_is_young_again_the_oldest_other_goes_first() -> None:
+    """Refiling renews an entry's age, per initiator and for the byte bound alike."""
+    per_peer = InboundStatuses(max_per_peer=2, max_bytes=1 << 20)
+    per_peer.record("a", 1, StatusCode.SUCCESS)
+    per_peer.record("a", 2, StatusCode.SUCCESS)
+    per_peer.record("a", 1, StatusCode.ERR_RDMA_OP)  # uid 1 is now the younger
+    per_peer.record("a", 3, StatusCode.SUCCESS)  # over the bound: the oldest, uid 2, goes
+    assert per_peer.pop("a", 2) is None
+    assert per_peer.pop("a", 1) is StatusCode.ERR_RDMA_OP and per_peer.pop("a", 3) is StatusCode.SUCCESS
+    one_each = ENTRY_BYTES + PEER_BYTES + sys.getsizeof("a")
+    in_bytes = InboundStatuses(max_per_peer=8, max_bytes=2 * one_each)
+    in_bytes.record("a", 1, StatusCode.SUCCESS)
+    in_bytes.record("b", 1, StatusCode.SUCCESS)
+    in_bytes.record("a", 1, StatusCode.ERR_RDMA_OP)  # a's entry is now the younger
+    in_bytes.record("c", 1, StatusCode.SUCCESS)  # over the byte bound: the oldest in all, b's, goes
+    assert in_bytes.pop("b", 1) is None
+    assert in_bytes.pop("a", 1) is StatusCode.ERR_RDMA_OP
+
+
 async def test_a_waiter_gets_its_code_however_full_the_table_is() -> None:
     table = InboundStatuses(max_per_peer=4096, max_bytes=8 << 10)
     waiter = asyncio.ensure_future(table.wait("late", 7))
