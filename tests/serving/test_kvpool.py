@@ -161,3 +161,14 @@ async def test_rendezvous_abandon_ends_a_waiting_claim() -> None:
     rv.abandon("p")
     with pytest.raises(Abandoned, match="abandoned"):
         await claim
+
+
+async def test_rendezvous_lets_one_prefill_request_claim_a_request_id() -> None:
+    """A second prefill request under the same id is refused while the first waits: one writer per blocks."""
+    rv = Rendezvous(ttl=5, limit=8, on_orphan=lambda m, why: None)
+    first = asyncio.create_task(rv.claim("r", 5))
+    await asyncio.sleep(0)
+    with pytest.raises(Abandoned, match="already being prefilled"):
+        await rv.claim("r", 5)
+    assert rv.deliver(blocks_msg("r")) == ""
+    assert (await first).request_id == "r"
