@@ -126,6 +126,21 @@ async def test_deregistering_memory_in_use_is_refused_until_transfers_end(held: 
         held.session.read(0, 0, 1)
 
 
+async def test_release_memory_waits_for_every_transfer_that_uses_the_region(held: Pair) -> None:
+    first, second = held.session.read(0, 0, 64), held.session.read(64, 64, 64)
+    release = held.a.loop.create_task(held.a.release_memory(held.desc_a, timeout=5))
+    held.session.channel.qp.step(1)  # type: ignore[attr-defined]
+    await first
+    for _ in range(20):  # every callback the first transfer's end queued has run
+        await asyncio.sleep(0)
+    assert not release.done(), "one transfer still reads into the region"
+    held.session.channel.qp.step(1)  # type: ignore[attr-defined]
+    await second
+    await release
+    with pytest.raises(InvalidArgument):
+        held.session.read(0, 0, 1)
+
+
 async def test_bad_addresses_and_configs() -> None:
     with pytest.raises(InvalidArgument):
         IOEngineConfig(transfer_timeout=0)
