@@ -79,3 +79,6 @@ def test_remote_regions_stay_distinct_and_only_named_ones_are_exported() -> None
     assert registry.exported() == [a], "a named region kept local is not listed to peers either"
     with pytest.raises(InvalidArgument, match="already registered"):
         registry.register(backend, buf, "kv", Access.all())
+    registry.export(backend, hidden)  # a named region exported later is listed to peers from then on
+    assert registry.exported() == [a, hidden]
+    assert nic.exported[-1].rkey == hidden.rkey
