@@ -21,7 +21,7 @@ from moriio_async.serving.config import InstanceSettings
 from moriio_async.serving.decode import DecodeServer
 from moriio_async.serving.instance import Instance, ServingError
 from moriio_async.serving.kvpool import KVLayout
-from moriio_async.serving.messages import EngineRef, GenerateRequest
+from moriio_async.serving.messages import EngineRef, GenerateRequest, Release, control_decoder
 from moriio_async.serving.model import Model, ModelConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -110,6 +110,9 @@ async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() 
             await s.decode.generate(read_request(s, [0, 1]))
         assert info.value.status == 502 and "failed" in str(info.value)
         assert [a.action for a in hooks.applied] == [Action.STALL]  # the stall held the read, not a refusal
+        # Prefill hears release also after a failed read: its lease ends now, not at its timeout.
+        note = await s.prefill.recv_notification(timeout=10)
+        assert note.peer == "decode-0" and control_decoder().decode(note.data) == Release("r1")
         again = pool.try_allocate(pool.num_blocks)  # every block, those the reads were aimed at included
         assert again is not None
         hooks.release()  # prefill's NIC answers the stalled read now
