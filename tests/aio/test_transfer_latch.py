@@ -141,6 +141,15 @@ async def test_completions_after_the_end_are_ignored() -> None:
     assert surface(t) == (0, "", False, False, True, False, True)
 
 
+async def test_successes_beyond_its_work_requests_are_a_runtime_bug_not_a_success() -> None:
+    """A success count past what was posted means the accounting above is wrong: say so, end nothing."""
+    t = make()
+    t.start(2)
+    with pytest.raises(RuntimeError, match=r"^more completions than work requests$"):
+        t.settle(3, WcStatus.SUCCESS)
+    assert t.InProgress()
+
+
 async def test_fail_without_a_completion() -> None:
     t = make()
     t.fail(StatusCode.ERR_BAD_STATE, "the peer restarted", hint="reconnect")
