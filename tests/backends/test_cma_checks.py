@@ -98,3 +98,12 @@ def test_ranges_touching_the_region_s_ends_are_inside_and_one_byte_more_is_not(
     finally:
         view.close()
         table.close()
+
+
+def test_a_region_above_2_63_still_contains_its_ranges(backend_name: str) -> None:
+    # Where the shortcut's uint64 sums could wrap, the per-element path answers: all inside is their count.
+    base = (1 << 63) + (1 << 40)
+    addrs = np.array([base, base + 4096, base + SIZE - 1], np.uint64)
+    lengths = np.array([4096, SIZE - 4096, 1], np.uint64)
+    assert first_outside(addrs, lengths, base, SIZE) == 3
+    assert first_outside(addrs, lengths + np.uint64(1), base, SIZE) == 1
