@@ -4,13 +4,14 @@ deadline, never for an initiator that is gone)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from moriio_async.backends.cma.inuse import ANY, InUse, InUseView, tag_for
+from moriio_async.backends.cma.inuse import ANY, PAGE, InUse, InUseView, tag_for
 
 pytestmark = pytest.mark.only_backends("cma", reason="unit tests of the cma backend's in-use word")
 
@@ -58,3 +59,13 @@ def test_a_deregistration_waits_only_for_a_window_on_its_slot(backend_name: str)
         if view is not None:
             view.close()
         mine.close()
+
+
+def test_the_target_maps_only_a_page_sized_in_use_word(backend_name: str) -> None:
+    fd = os.memfd_create("not-an-in-use-page", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 2 * PAGE)
+        with pytest.raises(ValueError, match=r"^not an in-use page$"):
+            InUseView(fd)
+    finally:
+        os.close(fd)
