@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moriio_async.backends.cma.table import LIVE, READ, WRITE, RegionTable, TableView, first_outside
+from moriio_async.backends.cma.wire import VendorErr
 
 pytestmark = pytest.mark.only_backends("cma", reason="unit tests of the cma backend's checks")
 
@@ -67,3 +68,42 @@ def test_the_one_key_table_check_agrees_with_the_per_range_check(backend_name: s
     finally:
         view.close()
         table.close()
+
+
+# Ranges that touch the region's ends are inside, one byte more is not: (address, length) pairs and the
+# index of the first outside. The random ranges above rarely hit these exact edges.
+EDGE_CASES = [
+    ([(BASE + SIZE, 0), (BASE + SIZE, 1)], 1),
+    ([(BASE, SIZE), (BASE - 1, 1)], 1),
+    ([(BASE + SIZE - 1, 1), (BASE + SIZE - 1, 2)], 1),
+    ([(BASE, 0), (BASE + 1, SIZE)], 1),
+]
+
+
+@pytest.mark.parametrize(("ranges_", "first_bad"), EDGE_CASES)
+def test_ranges_touching_the_region_s_ends_are_inside_and_one_byte_more_is_not(
+    backend_name: str, ranges_: list[tuple[int, int]], first_bad: int
+) -> None:
+    addrs = np.array([a for a, _ in ranges_], np.uint64)
+    lengths = np.array([n for _, n in ranges_], np.uint64)
+    assert first_outside(addrs, lengths, BASE, SIZE) == first_bad
+    table = RegionTable()
+    view = TableView(table.fd)
+    try:
+        one = table.publish(BASE, SIZE, LIVE | READ)
+        other = table.publish(BASE, SIZE, LIVE | READ)
+        for rkeys, one_key in (([one, one], True), ([one, one], False), ([one, other], False)):
+            checked = view.check(np.array(rkeys, np.uint32), addrs, lengths, write=False, one_key=one_key)
+            assert (checked.first_bad, checked.vendor) == (first_bad, VendorErr.REMOTE_OUT_OF_BOUNDS), rkeys
+    finally:
+        view.close()
+        table.close()
+
+
+def test_a_region_above_2_63_still_contains_its_ranges(backend_name: str) -> None:
+    # Where the shortcut's uint64 sums could wrap, the per-element path answers: all inside is their count.
+    base = (1 << 63) + (1 << 40)
+    addrs = np.array([base, base + 4096, base + SIZE - 1], np.uint64)
+    lengths = np.array([4096, SIZE - 4096, 1], np.uint64)
+    assert first_outside(addrs, lengths, base, SIZE) == 3
+    assert first_outside(addrs, lengths + np.uint64(1), base, SIZE) == 1

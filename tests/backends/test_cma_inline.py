@@ -5,6 +5,7 @@ a byte moves, and fail the same way; only where the copy runs differs."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from moriio_async.backends.cma.worker import Executor, Outcome
 from moriio_async.status import Access, Opcode, WcStatus
 from moriio_async.work import WorkBatch, WorkCompletion, WorkRequest
 
-from .harness import Pair, PairFactory, random_bytes, statuses, wr_ids
+from .harness import WAIT, Pair, PairFactory, random_bytes, statuses, wr_ids
 from .test_cma_specific import shared_region, to
 
 pytestmark = [
@@ -198,3 +199,44 @@ def test_an_error_while_executing_inline_fails_the_pair_and_post_still_returns(
     # The pair stays usable as a verbs pair in ERR: later posts flush at once.
     pair.a.qp.post_send([pair.write(3, 0, 4096, 0)])
     assert statuses(pair.waiter.wait(1)) == [WcStatus.WR_FLUSH_ERR]
+
+
+def test_a_batch_another_thread_posts_while_the_poster_executes_waits_until_the_poster_is_done(
+    pairs: PairFactory, backend_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One thread at a time executes the pair's requests: the second batch is queued, and the worker
+    # must not take the head (the first batch, still being copied inline) meanwhile.
+    pair = pairs(1 << 20, 1 << 20)
+    pair.a.buf[:] = random_bytes(1 << 20, 13)
+    poster: list[int] = []
+    copying, done = threading.Event(), threading.Event()
+    others: list[tuple[int, int, bool]] = []  # (first wr_id, lo, poster done) of each chunk another thread ran
+    real = Executor.run
+
+    def gated(self: Executor, batch: WorkBatch, lo: int, hi: int, may_wait: bool = True) -> Outcome:
+        if threading.get_ident() in poster:
+            copying.set()
+            done.wait(WAIT)
+        else:
+            others.append((int(batch.wr_id), lo, done.is_set()))
+        return real(self, batch, lo, hi, may_wait)
+
+    monkeypatch.setattr(Executor, "run", gated)
+
+    def post_first() -> None:
+        poster.append(threading.get_ident())
+        pair.a.qp.post_send([pair.write(1, 0, 4096, 0)])
+
+    thread = threading.Thread(target=post_first)
+    thread.start()
+    try:
+        assert copying.wait(WAIT)
+        pair.a.qp.post_send([pair.write(2, 4096, 4096, 4096)])  # the pair is busy: the worker's
+        time.sleep(0.3)  # room for a worker that would wrongly take the head now (no assertion on time)
+    finally:
+        done.set()
+        thread.join()
+    wcs = pair.waiter.wait(2)
+    assert wr_ids(wcs) == [1, 2] and statuses(wcs) == [WcStatus.SUCCESS] * 2
+    assert all(after for _first, _lo, after in others), others  # (the poster may run the second batch itself)
+    assert np.array_equal(pair.b.buf[:8192], pair.a.buf[:8192])

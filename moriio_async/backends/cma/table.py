@@ -56,7 +56,6 @@ __all__ = [
     "first_outside",
     "seal_fd",
     "seal_writes",
-    "sealed_against_writes",
 ]
 
 RECORD: Final = np.dtype(
@@ -96,10 +95,6 @@ def seal_writes(fd: int) -> None:
     Raises OSError where the kernel has no such seal (before 5.1): then nothing here may be shared
     read-only, since a descriptor's read-only mode alone is undone by reopening ``/proc/self/fd/N``."""
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-
-
-def sealed_against_writes(fd: int) -> bool:
-    return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & FUTURE_WRITE)
 
 
 class RegionTable:
@@ -286,11 +281,6 @@ class TableView:
             if bad < len(addrs):
                 vendor = VendorErr.REMOTE_OUT_OF_BOUNDS
         return Checked(bad, vendor, _NO_RECORDS, rec)
-
-    def live(self, rkey: int) -> bool:
-        """The slot still holds ``rkey`` with some access (after a revocation: False)."""
-        slot = rkey & _MASK
-        return int(self.records["rkey"][slot]) == rkey and bool(int(self.records["flags"][slot]) & LIVE)
 
     def close(self) -> None:
         del self.records, self._rkeys, self._flags
