@@ -5,8 +5,10 @@ The peers speak the data wire by hand (``datawire.py``), over real sockets."""
 
 from __future__ import annotations
 
+import fcntl
 import select
 import socket
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ import pytest
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend
 from moriio_async.backends.tcp import TcpOptions
+from moriio_async.backends.tcp.connection import BUDGET
 from moriio_async.backends.tcp.regions import TcpRegion
 from moriio_async.status import Access
 
@@ -217,3 +220,63 @@ def test_connections_past_their_hello_never_count_against_the_hello_caps() -> No
         finally:
             for sock in socks:
                 sock.close()
+
+
+def _all_acked(sock: socket.socket) -> None:
+    """Wait until the target's kernel has acknowledged every byte sent on ``sock`` (it sits in the target
+    socket's receive queue, so the target's epoll already reports it readable)."""
+    deadline = time.monotonic() + 10
+    while int.from_bytes(fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4), "little"):  # unacknowledged bytes
+        assert time.monotonic() < deadline, "the target's kernel never acknowledged the bytes"
+        time.sleep(0.005)
+
+
+def test_a_connection_whose_socket_always_has_data_does_not_hold_the_reactor_turn() -> None:
+    """One reactor thread, one connection with a long backlog of requests, another with one request, both
+    in the kernel when the thread next polls: the backlog gets at most ``BUDGET`` socket calls, then the
+    other connection is served, then the backlog goes on. Seen in the data: the backlog READs the byte
+    the other connection's WRITE changes, so their answers say how many of them were served before it.
+
+    The thread is held (a call queued on it that waits) while both connections' bytes arrive, so the
+    order does not depend on timing. A one-request READ chunk is one socket call (its header and
+    descriptor come in one ``recv``; the response is sent outside the budget), so exactly ``BUDGET`` of
+    them are served first: the connection whose bytes came first is also reported first by epoll."""
+    n = 4 * BUDGET
+    with pairs(2, reactor_threads=1) as p:
+        p.buf[0] = 0
+        (busy, status), (other, status2) = dw.dial(p.port, p.tokens[0]), dw.dial(p.port, p.tokens[1])
+        assert (status, status2) == (dw.OK, dw.OK)
+        held, release = threading.Event(), threading.Event()
+
+        reactor = p.backend.listener.reactors[0]  # type: ignore[attr-defined]
+
+        def hold() -> None:
+            held.set()
+            release.wait(30)
+
+        def hold_after_a_poll() -> None:
+            # Queued from the thread, ``hold`` runs after the next poll, which drops the entries epoll still
+            # keeps for both sockets from their hellos (an fd added or reported is re-checked at the next
+            # wait): else the second socket's old entry could be reported ahead of the first's new one.
+            reactor.call_soon(hold)
+
+        with busy, other:
+            try:
+                assert reactor.call_soon(hold_after_a_poll)
+                assert held.wait(10), "the reactor never ran the queued call"
+                busy.sendall(b"".join(dw.chunk(dw.READ, i, (p.mr.rkey, p.mr.addr, 1)) for i in range(n)))
+                _all_acked(busy)
+                other.sendall(dw.chunk(dw.WRITE, 0, (p.mr.rkey, p.mr.addr, 1)) + b"\xee")
+                _all_acked(other)
+            finally:
+                release.set()
+            r = dw.response(other)
+            assert (r.opcode, r.status, r.seq, r.done) == (dw.WRITE, dw.OK, 0, 1)
+            seen = []
+            for i in range(n):
+                r = dw.response(busy)
+                assert (r.opcode, r.status, r.seq, r.done, r.payload) == (dw.READ, dw.OK, i, 1, 1)
+                seen.append(dw.recv_exactly(busy, 1)[0])
+            first = seen.index(0xEE) if 0xEE in seen else n
+            assert seen == [0] * first + [0xEE] * (n - first), "the WRITE landed once, between two READs"
+            assert first == BUDGET, f"{first} of the backlog's {n} READs were served before the other connection"
