@@ -121,3 +121,18 @@ def test_half_a_hello_is_cut_at_the_hello_deadline_logged_and_claims_nothing(
         sock, ok = dw.dial(p.port, p.token)
         with sock:
             assert ok == dw.OK, "the token the cut hello carried is still good"
+
+
+def test_connections_that_hang_up_in_their_hello_leave_the_hello_set() -> None:
+    """Three connections hang up before their hello is whole, under a cap of two in their hello at once:
+    each one closed leaves the set, so the real dial after them makes room for nobody."""
+    with waiting_pair(max_data_hellos=2) as p:
+        for _ in range(3):  # one after another, each gone before the next: none is evicted at another's accept
+            with socket.create_connection(("127.0.0.1", p.port), timeout=10) as sock:
+                sock.sendall(dw.hello_bytes(p.token)[:10])
+                sock.shutdown(socket.SHUT_WR)
+                assert dw.closed_within(sock, 10.0), "the target closed it once it saw it hang up"
+        sock, ok = dw.dial(p.port, p.token)
+        with sock:
+            assert ok == dw.OK
+        assert p.counters["evicted_hellos"] == 0, "a connection already gone was still in its hello"
