@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from moriio_async.backends import open_backend
-from moriio_async.backends.base import Backend
+from moriio_async.backends.base import Backend, QueuePair
 from moriio_async.backends.tcp import TcpOptions
 
 from . import datawire as dw
@@ -34,6 +34,7 @@ class Port:
     port: int
     token: bytes
     qp_num: int
+    qp: QueuePair
 
     @property
     def counters(self) -> dict[str, int]:
@@ -50,7 +51,7 @@ def waiting_pair(**options: object) -> Iterator[Port]:
         qp.bind_session(None, answering=True)
         qp.connect({"backend": "tcp", "accepting": False, "host": "127.0.0.1", "port": 1, "qp_num": 100})
         end = qp.endpoint()
-        yield Port(backend, int(end["port"]), bytes.fromhex(str(end["token"])), int(end["qp_num"]))
+        yield Port(backend, int(end["port"]), bytes.fromhex(str(end["token"])), int(end["qp_num"]), qp)
     finally:
         backend.close()
 
@@ -136,3 +137,17 @@ def test_connections_that_hang_up_in_their_hello_leave_the_hello_set() -> None:
         with sock:
             assert ok == dw.OK
         assert p.counters["evicted_hellos"] == 0, "a connection already gone was still in its hello"
+
+
+def test_a_dial_for_a_pair_in_the_error_state_is_refused_as_an_unknown_token(caplog: pytest.LogCaptureFixture) -> None:
+    """The pair went to the error state before its dial came (its token still expected, as until it
+    closes): the dial is refused, logged with its source, counted, and closed."""
+    caplog.set_level(logging.WARNING, "moriio_async.tcp")
+    with waiting_pair() as p:
+        p.qp.to_error()
+        ack, rest = answer(p.port, dw.hello_bytes(p.token))
+        assert ack == (dw.MAGIC, dw.VERSION, dw.UNKNOWN_TOKEN, 0)
+        assert rest == b""
+        assert p.counters["refused_tokens"] == 1
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == ["tcp data port: refused a connection from 127.0.0.1: unknown or used token"]
