@@ -251,3 +251,23 @@ def test_a_connection_whose_socket_always_has_data_does_not_hold_the_reactor_tur
             first = seen.index(0xEE) if 0xEE in seen else n
             assert seen == [0] * first + [0xEE] * (n - first), "the WRITE landed once, between two READs"
             assert first == BUDGET, f"{first} of the backlog's {n} READs were served before the other connection"
+
+
+def test_a_connection_handed_to_another_reactor_is_started_on_that_reactors_thread() -> None:
+    """The first reactor reads the hello; the connection is served by the one serving the fewest, which
+    sends the ack, on its own thread. With that reactor held, the hello is read and answered on the
+    first one (held next, once the hello is in: its next poll reads it), and still no ack has gone."""
+    with pairs(1, reactor_threads=2) as p, socket.socket() as sock:
+        first, second = p.backend.listener.reactors  # type: ignore[attr-defined]
+        sock.settimeout(10)
+        with dw.holding(second):
+            sock.connect(("127.0.0.1", p.port))
+            sock.sendall(dw.hello_bytes(p.tokens[0]))
+            dw.all_acked(sock)
+            with dw.holding(first):
+                assert (first.watched, second.watched) == (1, 0), "the first let go of it, the second has not begun"
+                ready, _, _ = select.select([sock], [], [], 0)
+                assert not ready, "the ack went out before the reactor serving it ran"
+        assert dw.HELLO_ACK.unpack(dw.recv_exactly(sock, dw.HELLO_ACK.size))[2] == dw.OK
+        served(p, sock, 0, 0)
+        assert (first.watched, second.watched) == (1, 1)
