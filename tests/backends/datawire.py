@@ -8,11 +8,16 @@ implementation (or an attacker) would.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
 import struct
+import termios
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 HELLO = struct.Struct("<4sHH16sI")  # magic, version, flags, token, active qp_num
 HELLO_ACK = struct.Struct("<4sHHI")  # magic, version, status, passive qp_num
@@ -158,3 +163,40 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     except OSError:
         return True
     return True
+
+
+def all_acked(sock: socket.socket) -> None:
+    """Wait until the peer's kernel has acknowledged every byte sent on ``sock``: they sit in the peer
+    socket's receive queue, so its epoll already reports it readable."""
+    deadline = time.monotonic() + 10
+    while int.from_bytes(fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4), "little"):  # bytes not acknowledged
+        assert time.monotonic() < deadline, "the peer's kernel never acknowledged the bytes"
+        time.sleep(0.005)
+
+
+class CallsSoon(Protocol):
+    def call_soon(self, call: Callable[[], None]) -> bool: ...
+
+
+@contextmanager
+def holding(reactor: CallsSoon) -> Iterator[None]:
+    """Hold the target's reactor thread (a call queued on it waits) for the ``with`` block: what arrives
+    meanwhile is all in the kernel when the thread next polls, in the order it came."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    def hold_after_a_poll() -> None:
+        # Queued from the thread, ``hold`` runs after the next poll, which drops the entries epoll still
+        # keeps for sockets from earlier (an fd added or reported is re-checked at the next wait): else an
+        # old entry of a socket that got bytes later could be reported ahead of another's newer one.
+        reactor.call_soon(hold)
+
+    assert reactor.call_soon(hold_after_a_poll)
+    assert held.wait(10), "the reactor never ran the queued call"
+    try:
+        yield
+    finally:
+        release.set()

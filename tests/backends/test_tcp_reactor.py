@@ -19,6 +19,7 @@ import pytest
 from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend
 from moriio_async.backends.tcp import TcpOptions
+from moriio_async.backends.tcp.connection import BUDGET
 from moriio_async.backends.tcp.regions import TcpRegion
 from moriio_async.status import Access
 
@@ -217,3 +218,56 @@ def test_connections_past_their_hello_never_count_against_the_hello_caps() -> No
         finally:
             for sock in socks:
                 sock.close()
+
+
+def test_a_connection_whose_socket_always_has_data_does_not_hold_the_reactor_turn() -> None:
+    """One reactor thread, one connection with a long backlog of requests, another with one request, both
+    in the kernel when the thread next polls: the backlog gets at most ``BUDGET`` socket calls, then the
+    other connection is served, then the backlog goes on. Seen in the data: the backlog READs the byte
+    the other connection's WRITE changes, so their answers say how many of them were served before it.
+
+    The thread is held (a call queued on it that waits) while both connections' bytes arrive, so the
+    order does not depend on timing. A one-request READ chunk is one socket call (its header and
+    descriptor come in one ``recv``; the response is sent outside the budget), so exactly ``BUDGET`` of
+    them are served first: the connection whose bytes came first is also reported first by epoll."""
+    n = 4 * BUDGET
+    with pairs(2, reactor_threads=1) as p:
+        p.buf[0] = 0
+        (busy, status), (other, status2) = dw.dial(p.port, p.tokens[0]), dw.dial(p.port, p.tokens[1])
+        assert (status, status2) == (dw.OK, dw.OK)
+        with busy, other:
+            with dw.holding(p.backend.listener.reactors[0]):  # type: ignore[attr-defined]
+                busy.sendall(b"".join(dw.chunk(dw.READ, i, (p.mr.rkey, p.mr.addr, 1)) for i in range(n)))
+                dw.all_acked(busy)
+                other.sendall(dw.chunk(dw.WRITE, 0, (p.mr.rkey, p.mr.addr, 1)) + b"\xee")
+                dw.all_acked(other)
+            r = dw.response(other)
+            assert (r.opcode, r.status, r.seq, r.done) == (dw.WRITE, dw.OK, 0, 1)
+            seen = []
+            for i in range(n):
+                r = dw.response(busy)
+                assert (r.opcode, r.status, r.seq, r.done, r.payload) == (dw.READ, dw.OK, i, 1, 1)
+                seen.append(dw.recv_exactly(busy, 1)[0])
+            first = seen.index(0xEE) if 0xEE in seen else n
+            assert seen == [0] * first + [0xEE] * (n - first), "the WRITE landed once, between two READs"
+            assert first == BUDGET, f"{first} of the backlog's {n} READs were served before the other connection"
+
+
+def test_a_connection_handed_to_another_reactor_is_started_on_that_reactors_thread() -> None:
+    """The first reactor reads the hello; the connection is served by the one serving the fewest, which
+    sends the ack, on its own thread. With that reactor held, the hello is read and answered on the
+    first one (held next, once the hello is in: its next poll reads it), and still no ack has gone."""
+    with pairs(1, reactor_threads=2) as p, socket.socket() as sock:
+        first, second = p.backend.listener.reactors  # type: ignore[attr-defined]
+        sock.settimeout(10)
+        with dw.holding(second):
+            sock.connect(("127.0.0.1", p.port))
+            sock.sendall(dw.hello_bytes(p.tokens[0]))
+            dw.all_acked(sock)
+            with dw.holding(first):
+                assert (first.watched, second.watched) == (1, 0), "the first let go of it, the second has not begun"
+                ready, _, _ = select.select([sock], [], [], 0)
+                assert not ready, "the ack went out before the reactor serving it ran"
+        assert dw.HELLO_ACK.unpack(dw.recv_exactly(sock, dw.HELLO_ACK.size))[2] == dw.OK
+        served(p, sock, 0, 0)
+        assert (first.watched, second.watched) == (1, 1)
