@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -41,6 +42,13 @@ KEEP: list[object] = []
 
 
 def report(when: str) -> None:
+    # A closed engine's idle workers end on their own, but not at once: ``close`` shuts its executors down
+    # without waiting (a connect in progress must not hold the loop), and on a loaded machine an idle
+    # worker may not have run yet. Give each a bounded while; one that never ends is still reported.
+    deadline = time.monotonic() + 5.0
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
     print(json.dumps({"when": when, **held()}), flush=True)
 
 
