@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moriio_async import WcStatus
-from moriio_async.compat.mori import IOEngine, IOEngineSession, RdmaBackendConfig, StatusCode
+from moriio_async.compat.mori import IOEngine, IOEngineSession, RdmaBackendConfig, StatusCode, TransferStatus
 from moriio_async.compat.mori.plan import plan_parts
 
 from .conftest import make_pair, on_loop, register
@@ -67,19 +67,26 @@ def test_a_striped_status_ends_when_every_stripe_has(held: tuple[IOEngine, IOEng
     assert single.WaitFor(5000) is StatusCode.SUCCESS
 
 
-def test_first_failure_wins_after_all_stripes_end(held: tuple[IOEngine, IOEngine]) -> None:
+def stripe_one_failed(held: tuple[IOEngine, IOEngine], batch: str, uid: int) -> tuple[IOEngineSession, TransferStatus]:
+    """A batch over two stripes whose stripe 1 failed REM_ACCESS_ERR while stripe 0 still holds its requests."""
     a, b = held
     _, mx = register(a, 8192)
     _, my = register(b, 8192)
     session = a.create_session(mx, my)
     assert session is not None
     lo, ro, sz = scattered(8)
-    status = session.batch_write(lo, ro, sz, 33)
+    status = getattr(session, batch)(lo, ro, sz, uid)
     assert status.WaitFor(20) is StatusCode.IN_PROGRESS
     on_loop(a, session.stripes[1].channel.qp.fail_next, WcStatus.REM_ACCESS_ERR)
     step(a, session, 1)
     # the failed stripe has ended, the other still holds its requests: no verdict yet
     assert status.WaitFor(100) is StatusCode.IN_PROGRESS
+    return session, status
+
+
+def test_first_failure_wins_after_all_stripes_end(held: tuple[IOEngine, IOEngine]) -> None:
+    a, b = held
+    session, status = stripe_one_failed(held, "batch_write", 33)
     step(a, session, 0)
     assert status.WaitFor(5000) is StatusCode.ERR_RDMA_OP
     assert "REM_ACCESS_ERR" in status.Message()
@@ -90,18 +97,8 @@ def test_first_failure_wins_after_all_stripes_end(held: tuple[IOEngine, IOEngine
 def test_when_every_stripe_fails_the_status_carries_the_first_failure_in_completion_order(
     held: tuple[IOEngine, IOEngine],
 ) -> None:
-    a, b = held
-    _, mx = register(a, 8192)
-    _, my = register(b, 8192)
-    session = a.create_session(mx, my)
-    assert session is not None
-    lo, ro, sz = scattered(8)
-    status = session.batch_read(lo, ro, sz, 34)
-    assert status.WaitFor(20) is StatusCode.IN_PROGRESS
-    on_loop(a, session.stripes[1].channel.qp.fail_next, WcStatus.REM_ACCESS_ERR)
-    step(a, session, 1)  # stripe 1 fails first
-    assert status.WaitFor(100) is StatusCode.IN_PROGRESS
-    on_loop(a, session.stripes[0].channel.qp.vanish)  # then stripe 0, with another status
+    session, status = stripe_one_failed(held, "batch_read", 34)  # stripe 1 fails first
+    on_loop(held[0], session.stripes[0].channel.qp.vanish)  # then stripe 0, with another status
     assert status.WaitFor(5000) is StatusCode.ERR_RDMA_OP
     assert "REM_ACCESS_ERR" in status.Message() and "RETRY_EXC_ERR" not in status.Message(), status.Message()
 
