@@ -189,6 +189,28 @@ async def test_a_new_incarnations_hello_closes_every_answering_pair_of_the_old_o
         await session.close()
 
 
+async def test_a_new_incarnations_hello_leaves_the_links_and_pairs_of_other_engines_open(pair: Pair) -> None:
+    """A restart of "a" supersedes a's links on b, not those of "c", an engine of another key with a
+    session to b: c's link stays open and its pair keeps answering."""
+    backend = pair.a.backend_name
+    async with IOEngine("c", IOEngineConfig(backend=backend)) as c:
+        desc_c = c.register_memory(buf_c := bytearray(64))
+        peer = await c.connect(pair.b.address)
+        session_c = await c.create_session(desc_c, peer.memory["kv"])
+        await waiting_for_transfer_complete(session_c.read(0, 0, 64), timeout=10)
+        assert pair.b.statistics().peers.answering_qps == 2
+        async with IOEngine("a", IOEngineConfig(backend=backend)) as a2:
+            await a2.connect(pair.b.address)
+            await until(lambda: not pair.session.alive())  # a's old incarnation: superseded
+            assert pair.b.statistics().peers.answering_qps == 1  # c's
+            assert session_c.alive()
+            pair.buf_b[:64] = 0x3C
+            await waiting_for_transfer_complete(session_c.read(0, 0, 64), timeout=10)
+            assert bytes(buf_c) == b"\x3c" * 64
+            assert c.statistics().peers.opened_qps == 1
+        await session_c.close()
+
+
 async def test_another_peers_close_qp_naming_a_s_answering_pairs_closes_nothing_of_a_s(
     pair: Pair, backend: str
 ) -> None:
