@@ -14,14 +14,17 @@ from moriio_async import (
     EngineClosed,
     IOEngine,
     IOEngineConfig,
+    PeerError,
     StalePeer,
     waiting_for_transfer_complete,
 )
+from moriio_async.backends.base import Endpoint
+from moriio_async.backends.mock.qp import MockQueuePair
 from moriio_async.control.link import ControlLink
 from moriio_async.core.framing import FrameError
 from moriio_async.core.protocol import Notice, Reply, Request
 
-from ..engine.conftest import Pair
+from ..engine.conftest import Pair, make_pair
 from .wire import close, engine_fields, frame, hello, messages, open_raw, read_message, until
 
 
@@ -170,6 +173,34 @@ async def test_closing_a_session_closes_the_answering_pair_it_had_on_the_peer(pa
     await until(lambda: pair.b.statistics().peers.answering_qps == answering)
     assert pair.a.statistics().peers.opened_qps == 1
     await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)  # the other session is intact
+
+
+async def test_a_session_pair_that_fails_to_connect_has_the_peer_close_its_answering_half(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """b answered a's connect_qp, then a's own connect fails (the mock's queue pair refuses to dial): a
+    tells b to close the answering pair it made (close_qp), so none is left on b for a pair that never comes."""
+    a, b, pair = await make_pair("mock")
+    try:
+        answering = b.statistics().peers.answering_qps
+        real = MockQueuePair.connect
+
+        def refuse_to_dial(qp: MockQueuePair, remote: Endpoint) -> None:
+            if remote.get("accepting"):  # the opening side dials the answering half: that one fails
+                raise PeerError("refused by the test")
+            real(qp, remote)
+
+        monkeypatch.setattr(MockQueuePair, "connect", refuse_to_dial)
+        info = await a.connect(b.address)
+        with pytest.raises(PeerError):
+            await a.create_session(pair.desc_a, info.memory["kv"])
+        monkeypatch.setattr(MockQueuePair, "connect", real)
+        await until(lambda: b.statistics().peers.answering_qps == answering)
+        assert a.statistics().peers.opened_qps == 1  # the first session's
+        await waiting_for_transfer_complete(pair.session.read(0, 0, 64), timeout=10)
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_a_new_incarnations_hello_closes_every_answering_pair_of_the_old_one_and_its_own_work(
