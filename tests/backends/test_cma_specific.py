@@ -138,6 +138,33 @@ def test_shared_allocation_moves_bytes_through_the_mapping_and_is_unmapped_on_re
     assert np.array_equal(shared, before)
 
 
+def test_one_batch_over_two_shared_allocations_reaches_the_last_byte_of_each(pairs: PairFactory) -> None:
+    """Requests naming two shared allocations in one batch (checked together, not under one key), each
+    ending exactly at its allocation's end, move through the mappings; one byte further fails."""
+    pair = pairs(1 << 20, 1 << 20)
+    n, end = 4096, 1 << 20
+    first, one = shared_region(pair, end)
+    second, two = shared_region(pair, end)
+    pair.a.buf[:] = random_bytes(1 << 20, 13)
+    wrs = [
+        to(first, pair, 0, Opcode.RDMA_WRITE, [(0, n)], end - n),
+        to(second, pair, 1, Opcode.RDMA_WRITE, [(n, n)], end - n),
+    ]
+    assert all(wc.ok for wc in pair.run(wrs))
+    assert np.array_equal(one[end - n :], pair.a.buf[:n]) and np.array_equal(two[end - n :], pair.a.buf[n : 2 * n])
+    reads = [
+        to(first, pair, 2, Opcode.RDMA_READ, [(2 * n, n)], end - n),
+        to(second, pair, 3, Opcode.RDMA_READ, [(3 * n, n)], end - n),
+    ]
+    assert all(wc.ok for wc in pair.run(reads))
+    assert np.array_equal(pair.a.buf[2 * n : 4 * n], pair.a.buf[: 2 * n])
+    over = [
+        to(first, pair, 4, Opcode.RDMA_WRITE, [(0, n)], end - n),
+        to(second, pair, 5, Opcode.RDMA_WRITE, [(0, n)], end - n + 1),
+    ]
+    assert statuses(pair.run(over, expect=2)) == [WcStatus.SUCCESS, WcStatus.REM_ACCESS_ERR]
+
+
 def test_windows_split_over_threads_are_byte_identical(pairs: PairFactory) -> None:
     pair = pairs(8 << 20, 8 << 20, specific=CmaOptions(threads=3, round_bytes=64 << 10, split_bytes=4096))
     src = random_bytes(4 << 20, 3)

@@ -77,6 +77,22 @@ def test_bad_local_sge_fails_in_order_and_moves_nothing(pairs: PairFactory, kind
     assert digest(pair.a.buf) == digest(expected_a), "initiator bytes changed"
 
 
+def test_a_write_bad_at_both_ends_fails_on_its_local_side_first(pairs: PairFactory) -> None:
+    """A WRITE whose local SGE and remote range are both bad is a local protection error: the
+    initiator reads its payload before the target could refuse it, as a verbs NIC does."""
+    pair = pairs()
+    mr = pair.a.mr
+    bad_local = Sge(mr.addr, SIZE, (mr.lkey ^ 0x5A5A5A5A) or 1)
+    bad_remote = pair.b.mr.addr + pair.b.mr.length  # one past the end of the target's region
+    expected_b = pair.b.buf.copy()
+    wrs = [WorkRequest(0, W, (bad_local,), bad_remote, pair.b.mr.rkey), pair.write(1, SIZE, SIZE, SIZE)]
+
+    wcs = pair.run(wrs, expect=2)
+
+    assert statuses(wcs) == [WcStatus.LOC_PROT_ERR, WcStatus.WR_FLUSH_ERR]
+    assert digest(pair.b.buf) == digest(expected_b), "target bytes changed"
+
+
 def test_remote_write_access_needs_local_write(pairs: PairFactory) -> None:
     """As ibv_reg_mr: REMOTE_WRITE without LOCAL_WRITE is refused."""
     pair = pairs()
