@@ -182,6 +182,27 @@ class WorkBatch:
         return cls(wr_id, ops, v[0:1], keys[0], one, _SIGNALED_ONE, _ONE_SGE, v[2:3], one, keys[1])
 
     @classmethod
+    def singles(cls, wr_id: int, rows: Sequence[tuple[Opcode, int, int, int, int, int]]) -> WorkBatch:
+        """Single requests with consecutive wr_ids from ``wr_id``, each ``(opcode, local_addr, lkey,
+        remote_addr, rkey, length)`` with one scatter entry and signaled, as one batch (``one``'s values,
+        many at once): the single reads and writes a channel posts together."""
+        n = len(rows)
+        cols = np.array(rows, dtype=np.uint64).T.copy()  # one conversion, then a contiguous row per column
+        length = cols[5]
+        return cls(
+            wr_id,
+            cols[0].astype(np.uint8),
+            cols[3],
+            cols[4].astype(np.uint32),
+            length,
+            np.ones(n, dtype=np.bool_),
+            np.arange(n + 1, dtype=np.int64),
+            cols[1],
+            length,
+            cols[2].astype(np.uint32),
+        )
+
+    @classmethod
     def from_requests(cls, wrs: Sequence[WorkRequest]) -> WorkBatch:
         """Pack ``WorkRequest`` values (wr_ids must be consecutive) into a batch."""
         if not wrs:

@@ -167,6 +167,7 @@ class QpChannel:
         self._on_failed_idle = on_failed_idle
         self._on_post = on_post
         self._idle_waiters: list[asyncio.Future[None]] = []
+        self._post_due = False
 
     @property
     def qp_num(self) -> int:
@@ -181,13 +182,19 @@ class QpChannel:
         return self.sendq.waiting
 
     def submit(self, job: Job) -> None:
-        """Queue a transfer's requests and post what fits. Never blocks, never fails for lack of room."""
+        """Queue a transfer's requests and post what fits. Never blocks, never fails for lack of room.
+
+        A single read or write goes to the NIC at once when nothing is in flight on the pair. On a pair
+        that ``gathers_singles`` (tcp) with requests in flight it waits for the end of this pass of the
+        event loop (Nagle's rule for posts: the pair is busy anyway), so the singles that tasks woken
+        together post go out as one batch: one post, one system call and one wire chunk instead of one
+        of each per request.
+        """
         one = job.one
+        sendq = self.sendq
         if one is not None:
             job.transfer.start(1)
-            # The single read/write on a pair with room and nothing queued: straight to the NIC.
-            sendq = self.sendq
-            wr_id = sendq.post_one(job)
+            wr_id = None if sendq.in_flight and self.qp.gathers_singles else sendq.post_one(job)
             if wr_id is not None:
                 self.qp.post_one(wr_id, *one)
                 self.posted += 1
@@ -200,20 +207,52 @@ class QpChannel:
         else:
             n = len(job)
             job.transfer.start(n)
-        self.sendq.enqueue(job, n)
-        if self.state == ChannelState.FAILED and not self.sendq.in_flight:
+        sendq.enqueue(job, n)
+        if self.state == ChannelState.FAILED and not sendq.in_flight:
             self._on_failed_idle(self)
+        elif one is not None and sendq.in_flight and self.qp.gathers_singles:
+            self._post_soon()
         else:
             self._pump()
+
+    def _post_soon(self) -> None:
+        """Post what waits at the end of this loop pass (once, however many singles queue meanwhile)."""
+        if self._post_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven by hand, with no loop running: post now
+            self._pump()
+            return
+        self._post_due = True
+        loop.call_soon(self._posted_soon)
+
+    def _posted_soon(self) -> None:
+        self._post_due = False
+        self.resume()  # nothing if a completion's resume or a batch's submit posted them meanwhile
 
     def _pump(self) -> None:
         chunks = self.sendq.take_postable()
         if not chunks:
             return
         post = self.qp.post
-        for c in chunks:
-            post(c.owner.chunk(c.start, c.stop, c.wr_id, c.signaled))
-            self.posted += c.stop - c.start
+        i, n = 0, len(chunks)
+        while i < n:
+            c = chunks[i]
+            j = i + 1
+            if c.owner.one is not None:
+                while j < n and chunks[j].owner.one is not None:
+                    j += 1
+            if j > i + 1:  # singles queued together (one request each, signaled, consecutive wr_ids)
+                post(WorkBatch.singles(c.wr_id, [one for d in chunks[i:j] if (one := d.owner.one) is not None]))
+                self.posted += j - i
+            elif (one := c.owner.one) is not None:  # a single alone: its own fast path, no batch to build
+                self.qp.post_one(c.wr_id, *one)
+                self.posted += 1
+            else:
+                post(c.owner.chunk(c.start, c.stop, c.wr_id, c.signaled))
+                self.posted += c.stop - c.start
+            i = j
         self.max_in_flight = max(self.max_in_flight, self.sendq.in_flight)
         if self._on_post is not None:
             self._on_post()

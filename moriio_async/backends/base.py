@@ -217,6 +217,10 @@ class QueuePair(abc.ABC):
     max_send_wr: int
     """The real send-queue depth, after the device's limits."""
     max_sge: int
+    gathers_singles: bool = False
+    """Each post costs a fixed amount worth sharing (a system call and a wire chunk on tcp): with
+    requests in flight, the runtime then posts the single reads and writes of one event-loop pass
+    together, as one batch, at the end of that pass. False: each single is posted as it comes."""
 
     @property
     @abc.abstractmethod

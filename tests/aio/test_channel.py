@@ -27,6 +27,7 @@ class FakeQP:
         self.qp_num = qp_num
         self.max_send_wr = depth
         self.max_sge = 4
+        self.gathers_singles = False
         self.posts: list[list[WorkRequest]] = []
         self.errors = 0
 
@@ -66,8 +67,9 @@ def wc(wr_id: int, status: WcStatus = WcStatus.SUCCESS, vendor_err: int = 0, qp_
     return WorkCompletion(wr_id, status, Opcode.RDMA_WRITE, 0, qp_num, vendor_err)
 
 
-def make(depth: int = 4, **kw: Any) -> tuple[QpChannel, FakeQP]:
+def make(depth: int = 4, gathers: bool = False, **kw: Any) -> tuple[QpChannel, FakeQP]:
     qp = FakeQP(depth=depth)
+    qp.gathers_singles = gathers
     return QpChannel(qp, **kw), qp  # type: ignore[arg-type]
 
 
@@ -494,3 +496,62 @@ async def test_a_fresh_channel_has_posted_nothing() -> None:
         True,
         ChannelState.READY,
     )
+
+
+async def test_singles_behind_a_request_in_flight_go_out_as_one_batch_at_the_end_of_the_loop_pass() -> None:
+    """Nagle's rule for posts, on a pair that gathers singles: with the pair busy, the singles posted in
+    one pass of the loop wait for its end and go out as one post, in order, each its own signaled request
+    that settles only its own transfer."""
+    ch, qp = make(depth=16, gathers=True)
+    first = transfer(0)
+    ch.submit(single(first))
+    assert len(qp.posts) == 1  # nothing in flight: at once, before submit returned
+    ts = [transfer(i) for i in range(1, 6)]
+    ops = [Opcode.RDMA_READ, Opcode.RDMA_WRITE, Opcode.RDMA_WRITE, Opcode.RDMA_READ, Opcode.RDMA_WRITE]
+    for i, (t, op) in enumerate(zip(ts, ops, strict=True)):
+        ch.submit(Job.single(t, op, local_addr=1000 + i, lkey=7 + i, remote_addr=5000 + i, rkey=9 + i, size=8 + i))
+    assert (len(qp.posts), ch.posted, ch.waiting) == (1, 1, 5)
+    await asyncio.sleep(0)
+    assert (len(qp.posts), ch.posted, ch.waiting, ch.in_flight, ch.max_in_flight) == (2, 6, 0, 6, 6)
+    got = [(r.wr_id, r.opcode, r.sges, r.remote_addr, r.rkey, r.signaled) for r in qp.posts[1]]
+    assert got == [(2 + i, op, (Sge(1000 + i, 8 + i, 7 + i),), 5000 + i, 9 + i, True) for i, op in enumerate(ops)]
+    ch.on_completion(wc(1))
+    ch.on_completion(wc(3, WcStatus.REM_ACCESS_ERR, vendor_err=5))
+    assert first.Succeeded() and ts[0].Succeeded() and ts[1].Failed() and not ts[2].done()
+    error = ts[1].error()
+    assert error is not None and (error.wc_status, error.vendor_err) == (WcStatus.REM_ACCESS_ERR, 5)
+
+
+async def test_a_single_gathered_alone_and_a_batch_behind_waiting_singles_keep_submission_order() -> None:
+    """A multi-request job submitted in the same pass as waiting singles posts at once, behind them; a
+    single left alone at the end of the pass goes out on its own."""
+    ch, qp = make(depth=16, gathers=True)
+    ch.submit(single(transfer(0)))
+    ch.submit(single(transfer(1), Opcode.RDMA_READ))
+    ch.submit(single(transfer(2)))
+    ch.submit(many(transfer(3), 3))
+    assert [[r.wr_id for r in p] for p in qp.posts] == [[1], [2, 3], [4, 5, 6]]
+    assert [r.opcode for r in qp.posts[1]] == [Opcode.RDMA_READ, Opcode.RDMA_WRITE]
+    await asyncio.sleep(0)
+    assert len(qp.posts) == 3 and ch.waiting == 0  # the end-of-pass post found nothing left
+    ch.submit(single(transfer(4)))
+    await asyncio.sleep(0)
+    assert [[r.wr_id for r in p] for p in qp.posts[3:]] == [[7]]
+
+
+async def test_a_pair_that_does_not_gather_posts_each_single_as_it_comes() -> None:
+    ch, qp = make(depth=16)
+    for i in range(3):
+        ch.submit(single(transfer(i)))
+    assert [[r.wr_id for r in p] for p in qp.posts] == [[1], [2], [3]]
+
+
+def test_without_a_running_loop_a_gathering_pair_posts_a_single_at_once() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        ch, qp = make(depth=4, gathers=True)
+        for i in (1, 2):
+            ch.submit(single(Transfer(loop, i, Opcode.RDMA_WRITE, "b", (0,), (0,), (8,))))
+        assert [[r.wr_id for r in p] for p in qp.posts] == [[1], [2]]
+    finally:
+        loop.close()

@@ -47,6 +47,7 @@ class TcpQueuePair(SoftQueuePair[PairState]):
     ``listener``, with a token that is random or derived from the control link's session key."""
 
     backend = "tcp"
+    gathers_singles = True  # one sendmsg and one response per chunk, however many requests it holds
 
     def __init__(self, pair_state: PairState, listener: Listener, options: BackendOptions, on_close: OnClose) -> None:
         super().__init__(pair_state, options, on_close)
