@@ -197,3 +197,26 @@ async def test_the_callers_arrays_can_be_reused_once_a_batch_is_posted(held: Pai
     assert t.sizes == (64, 128, 256)
     for a, b, n in zip((0, 8192, 4096), (4096, 0, 8192), (64, 128, 256), strict=True):
         assert np.array_equal(held.buf_b[b : b + n], held.buf_a[a : a + n])
+
+
+async def test_singles_posted_in_one_pass_behind_one_in_flight_each_move_their_own_bytes(pair: Pair) -> None:
+    """On tcp the singles of one loop pass behind a request in flight go out as one batch: reads and
+    writes interleaved, each still lands its own bytes and ends as its own transfer."""
+    block, n = 2048, 48
+    first = pair.session.read(0, 0, block)
+    ts = []
+    for i in range(1, n):
+        at = i * block
+        if i % 2:
+            ts.append(pair.session.read(at, at, block))
+        else:
+            pair.buf_a[at : at + block] = i
+            ts.append(pair.session.write(at, (1 << 19) + at, block))
+    await waiting_for_transfer_complete([first, *ts], timeout=10)
+    assert all(t.Succeeded() for t in [first, *ts]) and len({t.id for t in ts}) == n - 1
+    for i in range(1, n):
+        at = i * block
+        if i % 2:
+            assert (pair.buf_a[at : at + block] == pair.buf_b[at : at + block]).all(), i
+        else:
+            assert (pair.buf_b[(1 << 19) + at : (1 << 19) + at + block] == i).all(), i
