@@ -48,6 +48,7 @@ class CmaQueuePair(SoftQueuePair[PairState]):
     """A cma pair over ``pair_state``: dials the target port of its peer's backend, or waits on ``port``."""
 
     backend = "cma"
+    gathers_singles = True  # a busy pair's worker takes the gathered singles as one batch: one hand-off, not one each
 
     def __init__(
         self,
