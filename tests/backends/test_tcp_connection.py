@@ -1,0 +1,274 @@
+"""One accepted data connection's socket on the reactor (``connection.py``), driven by a test subclass
+instead of the responder: the drain after a refusal, the linger after an aborted WRITE, and the chunk
+deadline, which is one timer that re-arms when it fires before the deadline it finds.
+
+``Chunks`` plays the responder's part in the smallest way: a chunk is ``CHUNK`` bytes, due within
+one ``timeout`` from its first byte (the responder's rule), and the deadline is infinite between
+chunks."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from moriio_async.backends.tcp import VendorErr
+from moriio_async.backends.tcp.connection import DRAIN, HEAD, LINGER, Connection
+from moriio_async.backends.tcp.reactor import IN, Reactor
+
+from . import datawire as dw
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.only_backends("tcp", reason="the TCP backend's connection, on a reactor"),
+]
+
+CHUNK = 4
+ENDS = 10.0  # how long a test waits for an end it expects: far beyond any timeout below
+MIB = 1 << 20
+
+
+class Chunks(Connection):
+    """A connection whose chunks are ``CHUNK`` bytes; records the chunks and how service ended."""
+
+    def __init__(self, sock: socket.socket, timeout: float, reactor: Reactor) -> None:
+        super().__init__(sock, timeout, reactor)
+        self.buf = memoryview(bytearray(CHUNK))
+        self.got = 0
+        self.chunks: list[bytes] = []
+        self.vendors: list[VendorErr | None] = []
+        self.ended_at = 0.0
+        self.gone = threading.Event()
+
+    def read_chunk(self) -> bool:
+        n = self.recv(self.buf[self.got :])
+        if n < 0:
+            self.shutdown(VendorErr.PEER_CLOSED)
+            return False
+        if not n:
+            return self.wait(IN)
+        if not self.got:
+            self.deadline = time.monotonic() + self.timeout
+        self.got += n
+        if self.got == CHUNK:
+            self.chunks.append(bytes(self.buf))
+            self.got = 0
+            self.deadline = float("inf")
+        return True
+
+    def ended(self, vendor: VendorErr | None) -> None:
+        self.vendors.append(vendor)
+        self.ended_at = time.monotonic()
+        self.gone.set()
+
+
+@contextmanager
+def served(timeout: float, *, tcp: bool = False) -> Iterator[tuple[Chunks, socket.socket, Reactor]]:
+    """A ``Chunks`` connection watched by its own reactor, and the peer's end of its socket."""
+    if tcp:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            peer = socket.create_connection(listener.getsockname())
+            ours, _ = listener.accept()
+    else:
+        ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    reactor = Reactor("test-reactor")
+    connection = Chunks(ours, timeout, reactor)
+    on_reactor(reactor, lambda: reactor.watch(connection.fd, connection, IN))
+    try:
+        with peer:
+            yield connection, peer, reactor
+    finally:
+        reactor.stop(lambda: None)
+        ours.close()
+
+
+def on_reactor(reactor: Reactor, call: Callable[[], None]) -> None:
+    """Run ``call`` on the reactor's thread and wait for it."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
+        finally:
+            done.set()
+
+    assert reactor.call_soon(run)
+    assert done.wait(ENDS)
+
+
+def until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + ENDS
+    while not condition():
+        assert time.monotonic() < deadline, "the connection never got there"
+        time.sleep(0.005)
+
+
+def send_all_within(peer: socket.socket, data: bytes) -> None:
+    """Send ``data``, which is more than the socket buffers hold: only a target reading it lets it all go."""
+    peer.settimeout(ENDS)
+    peer.sendall(data)
+
+
+# -- the drain after a refusal ------------------------------------------------------------------------
+
+
+def refuse(connection: Connection) -> None:
+    connection.refuse_rest()
+    connection.pump()
+
+
+def test_a_refusal_sends_the_end_of_the_stream_and_executes_nothing_more() -> None:
+    with served(30.0) as (connection, peer, reactor):
+        peer.sendall(b"abcd")
+        until(lambda: connection.chunks == [b"abcd"])
+        on_reactor(reactor, lambda: refuse(connection))
+        peer.settimeout(ENDS)
+        assert peer.recv(16) == b"", "the target did not end its stream after the refusal"
+        peer.sendall(b"efghijkl")  # two more whole chunks: drained, never served
+        time.sleep(0.1)
+        assert connection.chunks == [b"abcd"]
+        assert connection.phase == DRAIN
+        assert not connection.gone.is_set()
+
+
+def test_the_drain_takes_in_whatever_the_peer_still_sends_then_ends_when_it_hangs_up() -> None:
+    with served(30.0) as (connection, peer, reactor):
+        on_reactor(reactor, lambda: refuse(connection))
+        send_all_within(peer, b"\7" * (8 * MIB))  # a pipelining initiator's payloads behind the refused one
+        assert not connection.gone.is_set(), "the drain ended while the peer was still connected"
+        peer.shutdown(socket.SHUT_WR)
+        assert connection.gone.wait(ENDS), "the drain did not end when the peer hung up"
+        assert connection.vendors == [None]  # the peer's hang-up is the expected end, not an error
+        assert connection.chunks == []
+
+
+def test_the_drain_of_a_silent_peer_gives_up_after_one_timeout() -> None:
+    with served(0.3) as (connection, peer, reactor):
+        started = time.monotonic()
+        on_reactor(reactor, lambda: refuse(connection))
+        assert connection.gone.wait(ENDS), "the drain waited for a silent peer forever"
+        assert connection.ended_at - started >= 0.3
+        # Not PEER_SILENT: the responder reports that one as a chunk that did not arrive in time.
+        assert connection.vendors == [VendorErr.SEND_TIMEOUT]
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            peer.sendall(b"\7" * MIB)  # closed: the peer is reset, not drained any more
+
+
+def test_a_peer_that_keeps_sending_does_not_keep_the_drain() -> None:
+    with served(0.3) as (connection, peer, reactor):
+        stop = threading.Event()
+
+        def keep_sending() -> None:
+            with contextlib.suppress(OSError):
+                while not stop.is_set():
+                    peer.send(b"\7" * 4096)
+
+        sender = threading.Thread(target=keep_sending, daemon=True)
+        started = time.monotonic()
+        on_reactor(reactor, lambda: refuse(connection))
+        sender.start()
+        try:
+            assert connection.gone.wait(ENDS), "a peer that keeps sending kept the connection"
+            assert connection.ended_at - started >= 0.3
+            assert connection.vendors == [VendorErr.SEND_TIMEOUT]
+        finally:
+            stop.set()
+            with contextlib.suppress(OSError):
+                peer.shutdown(socket.SHUT_RDWR)
+            sender.join(ENDS)
+
+
+# -- the linger after an aborted WRITE -------------------------------------------------------------------
+
+
+def abort_and_linger(connection: Connection) -> None:
+    """What the responder does after answering an aborted WRITE: the abort shut the read side."""
+    connection.sock.shutdown(socket.SHUT_RD)
+    connection.linger()
+
+
+def test_the_linger_takes_in_what_the_peer_sends_and_ends_when_it_hangs_up() -> None:
+    with served(30.0, tcp=True) as (connection, peer, reactor):
+        on_reactor(reactor, lambda: abort_and_linger(connection))
+        send_all_within(peer, b"\7" * (8 * MIB))  # the payloads behind the aborted WRITE: no reset
+        assert connection.phase == LINGER
+        assert not connection.gone.is_set(), "the linger ended while the peer was still connected"
+        assert not dw.closed_within(peer, 0.2), "the linger ended the target's stream: Linux resets on data then"
+        peer.shutdown(socket.SHUT_WR)
+        assert connection.gone.wait(ENDS), "the linger did not end when the peer hung up"
+        assert connection.vendors == [None]
+
+
+def test_the_linger_ends_when_the_peer_hangs_up_without_sending() -> None:
+    with served(30.0, tcp=True) as (connection, peer, reactor):
+        on_reactor(reactor, lambda: abort_and_linger(connection))
+        time.sleep(0.05)  # a few of its polls find the peer still there
+        assert not connection.gone.is_set()
+        peer.shutdown(socket.SHUT_WR)
+        assert connection.gone.wait(ENDS), "the linger did not see the peer's hang-up"
+        assert connection.vendors == [None]
+
+
+def test_the_linger_gives_up_after_one_timeout_when_the_peer_stays() -> None:
+    with served(0.3, tcp=True) as (connection, _peer, reactor):
+        started = time.monotonic()
+        on_reactor(reactor, lambda: abort_and_linger(connection))
+        assert connection.gone.wait(ENDS), "the linger waited for a peer that stays forever"
+        assert connection.ended_at - started >= 0.3
+        assert connection.vendors == [None]
+
+
+def test_a_stop_ends_the_linger() -> None:
+    with served(30.0, tcp=True) as (connection, _peer, reactor):
+        on_reactor(reactor, lambda: abort_and_linger(connection))
+        connection.stop()
+        assert connection.gone.wait(ENDS), "the linger outlived the stop"
+        assert connection.stopped
+
+
+# -- the chunk deadline ---------------------------------------------------------------------------------
+
+
+def test_a_chunk_that_does_not_arrive_whole_in_time_ends_service_as_a_silent_peer() -> None:
+    with served(0.3) as (connection, peer, _reactor):
+        sent = time.monotonic()
+        peer.sendall(b"ab")
+        assert connection.gone.wait(ENDS), "a chunk left half-sent held the connection forever"
+        assert connection.ended_at - sent >= 0.3
+        assert connection.vendors == [VendorErr.PEER_SILENT]
+
+
+def test_an_idle_connection_between_chunks_is_not_timed_out() -> None:
+    with served(0.1) as (connection, peer, _reactor):
+        peer.sendall(b"a")
+        until(lambda: connection.got == 1)  # the chunk's deadline is armed while it waits for the rest
+        peer.sendall(b"bcd")
+        until(lambda: connection.chunks == [b"abcd"])
+        time.sleep(0.4)  # past the first chunk's deadline: its timer fires and finds none
+        assert not connection.gone.is_set()
+        peer.sendall(b"efgh")
+        until(lambda: connection.chunks == [b"abcd", b"efgh"])
+        assert connection.phase == HEAD
+
+
+def test_the_deadline_timer_of_a_finished_chunk_re_arms_for_the_next_chunk() -> None:
+    """The first chunk's timer is still in the reactor's heap when the second chunk starts, with a later
+    deadline: it must fire, find that deadline ahead, and wait for it, neither ending the second chunk
+    early nor leaving it without a timer."""
+    with served(0.5) as (connection, peer, _reactor):
+        peer.sendall(b"a")
+        until(lambda: connection.got == 1)  # the timer is armed at the first chunk's deadline
+        peer.sendall(b"bcd")
+        until(lambda: connection.chunks == [b"abcd"])
+        time.sleep(0.2)
+        second = time.monotonic()
+        peer.sendall(b"e")  # the second chunk's first byte, then silence
+        assert connection.gone.wait(ENDS), "the second chunk's deadline never fired"
+        assert connection.ended_at - second >= 0.5, "the first chunk's timer ended the second chunk early"
+        assert connection.vendors == [VendorErr.PEER_SILENT]
