@@ -18,7 +18,9 @@ from contextlib import contextmanager
 import pytest
 
 from moriio_async.backends.tcp import VendorErr
-from moriio_async.backends.tcp.connection import DRAIN, HEAD, LINGER, Connection
+from moriio_async.backends.tcp.connection import DRAIN, HEAD, LINGER, PAYLOAD, Connection
+from moriio_async.backends.tcp.iov import MIN_RATE
+from moriio_async.backends.tcp.pending import Pending
 from moriio_async.backends.tcp.reactor import IN, Reactor
 
 from . import datawire as dw
@@ -255,6 +257,11 @@ def test_an_idle_connection_between_chunks_is_not_timed_out() -> None:
         peer.sendall(b"efgh")
         until(lambda: connection.chunks == [b"abcd", b"efgh"])
         assert connection.phase == HEAD
+        sent = time.monotonic()
+        peer.sendall(b"i")  # and the next chunk still has its deadline: half-sent, it ends service
+        assert connection.gone.wait(ENDS), "after an idle while, a half-sent chunk held the connection forever"
+        assert connection.ended_at - sent >= 0.1
+        assert connection.vendors == [VendorErr.PEER_SILENT]
 
 
 def test_the_deadline_timer_of_a_finished_chunk_re_arms_for_the_next_chunk() -> None:
@@ -272,3 +279,114 @@ def test_the_deadline_timer_of_a_finished_chunk_re_arms_for_the_next_chunk() -> 
         assert connection.gone.wait(ENDS), "the second chunk's deadline never fired"
         assert connection.ended_at - second >= 0.5, "the first chunk's timer ended the second chunk early"
         assert connection.vendors == [VendorErr.PEER_SILENT]
+
+
+# -- a WRITE's payload, and an abort of the moves on a pinned region ----------------------------------------
+
+
+class Payload:
+    """A WRITE's payload of ``n`` bytes to receive into ``buf``; ``aborted`` records ``received``'s calls."""
+
+    def __init__(self, n: int) -> None:
+        self.buf = bytearray(n)
+        self.aborted: list[bool] = []
+        self.called = threading.Event()
+
+    def received(self, aborted: bool) -> None:
+        self.aborted.append(aborted)
+        self.called.set()
+
+    def start(self, connection: Connection) -> None:
+        """On the reactor: what the responder does once a WRITE chunk's regions are pinned."""
+        connection.moving_begins(True)
+        connection.receive(Pending(len(self.buf), [memoryview(self.buf)]), self.received)
+        connection.pump()
+
+
+def test_a_payload_is_received_whole_then_reported_not_aborted() -> None:
+    with served(30.0) as (connection, peer, reactor):
+        payload = Payload(64 * 1024)
+        on_reactor(reactor, lambda: payload.start(connection))
+        assert connection.phase == PAYLOAD
+        send_all_within(peer, b"\5" * len(payload.buf))
+        assert payload.called.wait(ENDS)
+        assert payload.aborted == [False]
+        assert payload.buf == b"\5" * len(payload.buf)
+        assert not connection.gone.is_set()
+
+
+def test_receiving_a_payload_extends_the_chunk_deadline_by_its_time_at_min_rate() -> None:
+    with served(30.0) as (connection, peer, reactor):
+        payload = Payload(3 * MIN_RATE)
+        peer.sendall(b"ab")  # a chunk under way: its deadline is set
+        until(lambda: connection.got == 2)
+        before = connection.deadline
+        on_reactor(reactor, lambda: payload.start(connection))
+        assert connection.deadline == before + 3.0
+
+
+def test_a_peer_that_hangs_up_mid_payload_ends_service_and_the_write_is_not_reported() -> None:
+    with served(30.0) as (connection, peer, reactor):
+        payload = Payload(4096)
+        on_reactor(reactor, lambda: payload.start(connection))
+        peer.sendall(b"\5" * 100)
+        peer.shutdown(socket.SHUT_WR)
+        assert connection.gone.wait(ENDS)
+        assert connection.vendors == [VendorErr.PEER_CLOSED]
+        assert payload.aborted == [], "a WRITE whose payload never came whole was reported received"
+
+
+def test_an_abort_during_a_payload_ends_the_receive_as_aborted_and_keeps_the_connection_to_answer() -> None:
+    with served(30.0) as (connection, peer, reactor):
+        payload = Payload(4096)
+        on_reactor(reactor, lambda: payload.start(connection))
+        peer.sendall(b"\5" * 100)
+        connection.abort()  # a deregistration, from its own thread
+        assert payload.called.wait(ENDS)
+        assert payload.aborted == [True]
+        assert not connection.gone.is_set()
+        connection.sock.send(b"answer")  # the read side only was shut: the answer still goes out
+        peer.settimeout(ENDS)
+        assert peer.recv(16) == b"answer"
+
+
+def test_an_abort_before_an_empty_payload_reports_it_aborted() -> None:
+    """The deregistration can come between the pin and the receive: a WRITE with nothing left to
+    receive is then answered as aborted too."""
+    with served(30.0) as (connection, _peer, reactor):
+        payload = Payload(0)
+
+        def pinned_then_aborted() -> None:
+            connection.moving_begins(True)
+            connection.abort()
+            connection.receive(Pending(0, [memoryview(payload.buf)]), payload.received)
+
+        on_reactor(reactor, pinned_then_aborted)
+        assert payload.aborted == [True]
+
+
+def test_an_abort_during_a_send_shuts_both_directions() -> None:
+    """A READ's payloads go out of the pinned region: the abort must stop them, not only the reads."""
+    with served(30.0) as (connection, peer, reactor):
+        on_reactor(reactor, lambda: connection.moving_begins(False))
+        connection.abort()
+        peer.settimeout(ENDS)
+        assert peer.recv(16) == b"", "the peer did not see the end of the stream"
+        with pytest.raises(BrokenPipeError):
+            connection.sock.send(b"more of the region")
+
+
+def test_an_abort_outside_the_moves_shuts_nothing() -> None:
+    with served(30.0) as (connection, peer, reactor):
+        on_reactor(reactor, lambda: connection.moving_begins(False))
+        assert not on_reactor_value(reactor, connection.moving_ends)
+        connection.abort()
+        connection.sock.send(b"answer")
+        peer.settimeout(ENDS)
+        assert peer.recv(16) == b"answer"
+
+
+def on_reactor_value(reactor: Reactor, call: Callable[[], bool]) -> bool:
+    got: list[bool] = []
+    on_reactor(reactor, lambda: got.append(call()))
+    return got[0]
