@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -160,6 +161,21 @@ def test_the_drain_of_a_silent_peer_gives_up_after_one_timeout() -> None:
         assert connection.vendors == [VendorErr.SEND_TIMEOUT]
         with pytest.raises((BrokenPipeError, ConnectionResetError)):
             peer.sendall(b"\7" * MIB)  # closed: the peer is reset, not drained any more
+
+
+def test_a_refusal_after_the_peer_reset_ends_service() -> None:
+    """Ending its stream fails on a reset connection (ENOTCONN): the drain then finds it gone and ends."""
+    with served(30.0, tcp=True) as (connection, peer, reactor):
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+        def reset_then_refuse() -> None:  # in one reactor call: the reset is not served as a read first
+            peer.close()
+            time.sleep(0.1)  # the reset crosses loopback
+            refuse(connection)
+
+        on_reactor(reactor, reset_then_refuse)
+        assert connection.gone.wait(ENDS), "a refusal on a reset connection never ended"
+        assert connection.vendors == [None]
 
 
 def test_a_peer_that_keeps_sending_does_not_keep_the_drain() -> None:
