@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 
 from moriio_async.backends.tcp import VendorErr
-from moriio_async.backends.tcp.connection import DRAIN, HEAD, LINGER, PAYLOAD, Connection
+from moriio_async.backends.tcp.connection import DRAIN, HEAD, LINGER, PAYLOAD, SENDING, Connection
 from moriio_async.backends.tcp.iov import MIN_RATE
 from moriio_async.backends.tcp.pending import Pending
 from moriio_async.backends.tcp.reactor import IN, Reactor
@@ -63,6 +63,10 @@ class Chunks(Connection):
             self.got = 0
             self.deadline = float("inf")
         return True
+
+    def next_chunk(self) -> None:
+        self.phase = HEAD
+        self.deadline = float("inf")
 
     def ended(self, vendor: VendorErr | None) -> None:
         self.vendors.append(vendor)
@@ -300,20 +304,28 @@ def test_the_deadline_timer_of_a_finished_chunk_re_arms_for_the_next_chunk() -> 
 # -- a WRITE's payload, and an abort of the moves on a pinned region ----------------------------------------
 
 
+ANSWER = b"answer"
+
+
 class Payload:
-    """A WRITE's payload of ``n`` bytes to receive into ``buf``; ``aborted`` records ``received``'s calls."""
+    """A WRITE's payload of ``n`` bytes to receive into ``buf``; ``aborted`` records ``received``'s calls,
+    each then answered with ``ANSWER`` before the next chunk, as the responder does."""
 
     def __init__(self, n: int) -> None:
         self.buf = bytearray(n)
         self.aborted: list[bool] = []
         self.called = threading.Event()
+        self.connection: Chunks | None = None
 
     def received(self, aborted: bool) -> None:
         self.aborted.append(aborted)
         self.called.set()
+        assert self.connection is not None
+        self.connection.send(Pending(len(ANSWER), [ANSWER]), self.connection.next_chunk)
 
-    def start(self, connection: Connection) -> None:
+    def start(self, connection: Chunks) -> None:
         """On the reactor: what the responder does once a WRITE chunk's regions are pinned."""
+        self.connection = connection
         connection.moving_begins(True)
         connection.receive(Pending(len(self.buf), [memoryview(self.buf)]), self.received)
         connection.pump()
@@ -328,6 +340,10 @@ def test_a_payload_is_received_whole_then_reported_not_aborted() -> None:
         assert payload.called.wait(ENDS)
         assert payload.aborted == [False]
         assert payload.buf == b"\5" * len(payload.buf)
+        peer.settimeout(ENDS)
+        assert peer.recv(16) == ANSWER
+        peer.sendall(b"abcd")  # and the connection serves on
+        until(lambda: connection.chunks == [b"abcd"])
         assert not connection.gone.is_set()
 
 
@@ -361,9 +377,8 @@ def test_an_abort_during_a_payload_ends_the_receive_as_aborted_and_keeps_the_con
         assert payload.called.wait(ENDS)
         assert payload.aborted == [True]
         assert not connection.gone.is_set()
-        connection.sock.send(b"answer")  # the read side only was shut: the answer still goes out
         peer.settimeout(ENDS)
-        assert peer.recv(16) == b"answer"
+        assert peer.recv(16) == ANSWER  # the read side only was shut: the answer still goes out
 
 
 def test_an_abort_before_an_empty_payload_reports_it_aborted() -> None:
@@ -373,6 +388,7 @@ def test_an_abort_before_an_empty_payload_reports_it_aborted() -> None:
         payload = Payload(0)
 
         def pinned_then_aborted() -> None:
+            payload.connection = connection
             connection.moving_begins(True)
             connection.abort()
             connection.receive(Pending(0, [memoryview(payload.buf)]), payload.received)
@@ -383,13 +399,27 @@ def test_an_abort_before_an_empty_payload_reports_it_aborted() -> None:
 
 def test_an_abort_during_a_send_shuts_both_directions() -> None:
     """A READ's payloads go out of the pinned region: the abort must stop them, not only the reads."""
-    with served(30.0) as (connection, peer, reactor):
-        on_reactor(reactor, lambda: connection.moving_begins(False))
+    with served(30.0, tcp=True) as (connection, peer, reactor):
+        region = b"\7" * (32 * MIB)  # more than the loopback's buffers take: the send stalls
+        sent = threading.Event()
+
+        def send_region() -> None:
+            connection.moving_begins(False)
+            connection.send(Pending(len(region), [region]), sent.set)
+            connection.pump()
+
+        on_reactor(reactor, send_region)
+        time.sleep(0.1)
+        assert connection.phase == SENDING and not sent.is_set(), "the send did not stall on a full socket"
         connection.abort()
-        peer.settimeout(ENDS)
-        assert peer.recv(16) == b"", "the peer did not see the end of the stream"
-        with pytest.raises(BrokenPipeError):
-            connection.sock.send(b"more of the region")
+        got = 0
+        peer.settimeout(2.0)
+        with contextlib.suppress(OSError):
+            while chunk := peer.recv(MIB):
+                got += len(chunk)
+        assert got < len(region), "the region's bytes kept going out after the abort"
+        assert connection.gone.wait(ENDS)
+        assert not sent.is_set()
 
 
 def test_an_abort_outside_the_moves_shuts_nothing() -> None:
