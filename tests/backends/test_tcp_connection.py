@@ -9,6 +9,7 @@ chunks."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import struct
 import threading
@@ -50,8 +51,8 @@ class Chunks(Connection):
 
     def read_chunk(self) -> bool:
         n = self.recv(self.buf[self.got :])
-        if n < 0:
-            self.shutdown(VendorErr.PEER_CLOSED)
+        if n < 0:  # as the responder: a hang-up between chunks is no error
+            self.shutdown(VendorErr.PEER_CLOSED if self.got else None)
             return False
         if not n:
             return self.wait(IN)
@@ -96,17 +97,22 @@ def served(timeout: float, *, tcp: bool = False) -> Iterator[tuple[Chunks, socke
 
 
 def on_reactor(reactor: Reactor, call: Callable[[], None]) -> None:
-    """Run ``call`` on the reactor's thread and wait for it."""
+    """Run ``call`` on the reactor's thread and wait for it; what it raised is raised here."""
     done = threading.Event()
+    raised: list[BaseException] = []
 
     def run() -> None:
         try:
             call()
+        except BaseException as e:  # the reactor would only log it
+            raised.append(e)
         finally:
             done.set()
 
     assert reactor.call_soon(run)
     assert done.wait(ENDS)
+    if raised:
+        raise raised[0]
 
 
 def until(condition: Callable[[], bool]) -> None:
@@ -213,6 +219,7 @@ def abort_and_linger(connection: Connection) -> None:
     """What the responder does after answering an aborted WRITE: the abort shut the read side."""
     connection.sock.shutdown(socket.SHUT_RD)
     connection.linger()
+    connection.pump()  # the answer's send goes on to its next step, as in the responder
 
 
 def test_the_linger_takes_in_what_the_peer_sends_and_ends_when_it_hangs_up() -> None:
@@ -252,6 +259,20 @@ def test_a_stop_ends_the_linger() -> None:
         connection.stop()
         assert connection.gone.wait(ENDS), "the linger outlived the stop"
         assert connection.stopped
+
+
+def test_a_stop_from_another_thread_ends_service_and_join_waits_for_it(caplog: pytest.LogCaptureFixture) -> None:
+    with served(30.0) as (connection, peer, reactor):
+        on_reactor(reactor, connection.join)  # on the reactor's own thread: no wait for itself
+        assert not connection.gone.is_set()
+        connection.stop()
+        connection.join()
+        assert connection.gone.is_set()
+        assert connection.stopped
+        assert connection.vendors == [None]
+        peer.settimeout(ENDS)
+        assert peer.recv(16) == b""
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a stop logged an error"
 
 
 # -- the chunk deadline ---------------------------------------------------------------------------------
@@ -309,7 +330,7 @@ ANSWER = b"answer"
 
 class Payload:
     """A WRITE's payload of ``n`` bytes to receive into ``buf``; ``aborted`` records ``received``'s calls,
-    each then answered with ``ANSWER`` before the next chunk, as the responder does."""
+    each then answered with ``ANSWER`` before the next chunk (or, aborted, the linger), as the responder does."""
 
     def __init__(self, n: int) -> None:
         self.buf = bytearray(n)
@@ -321,7 +342,8 @@ class Payload:
         self.aborted.append(aborted)
         self.called.set()
         assert self.connection is not None
-        self.connection.send(Pending(len(ANSWER), [ANSWER]), self.connection.next_chunk)
+        then = self.connection.linger if aborted else self.connection.next_chunk
+        self.connection.send(Pending(len(ANSWER), [ANSWER]), then)
 
     def start(self, connection: Chunks) -> None:
         """On the reactor: what the responder does once a WRITE chunk's regions are pinned."""
@@ -369,16 +391,17 @@ def test_a_peer_that_hangs_up_mid_payload_ends_service_and_the_write_is_not_repo
 
 
 def test_an_abort_during_a_payload_ends_the_receive_as_aborted_and_keeps_the_connection_to_answer() -> None:
-    with served(30.0) as (connection, peer, reactor):
+    with served(30.0, tcp=True) as (connection, peer, reactor):
         payload = Payload(4096)
         on_reactor(reactor, lambda: payload.start(connection))
         peer.sendall(b"\5" * 100)
         connection.abort()  # a deregistration, from its own thread
         assert payload.called.wait(ENDS)
         assert payload.aborted == [True]
-        assert not connection.gone.is_set()
         peer.settimeout(ENDS)
         assert peer.recv(16) == ANSWER  # the read side only was shut: the answer still goes out
+        until(lambda: connection.phase == LINGER)
+        assert not connection.gone.is_set()
 
 
 def test_an_abort_before_an_empty_payload_reports_it_aborted() -> None:
