@@ -379,12 +379,19 @@ def test_receiving_a_payload_extends_the_chunk_deadline_by_its_time_at_min_rate(
         assert connection.deadline == before + 3.0
 
 
-def test_a_peer_that_hangs_up_mid_payload_ends_service_and_the_write_is_not_reported() -> None:
+@pytest.mark.parametrize("hangs_up", ["shutdown", "close"])
+def test_a_peer_that_hangs_up_mid_payload_ends_service_and_the_write_is_not_reported(hangs_up: str) -> None:
+    """Also when the hang-up is reported as one (EPOLLHUP, a closed socket's): the payload's own read
+    tells it from the end of a chunk."""
     with served(30.0) as (connection, peer, reactor):
         payload = Payload(4096)
         on_reactor(reactor, lambda: payload.start(connection))
         peer.sendall(b"\5" * 100)
-        peer.shutdown(socket.SHUT_WR)
+        until(lambda: payload.buf[99] == 5)
+        if hangs_up == "shutdown":
+            peer.shutdown(socket.SHUT_WR)
+        else:
+            peer.close()
         assert connection.gone.wait(ENDS)
         assert connection.vendors == [VendorErr.PEER_CLOSED]
         assert payload.aborted == [], "a WRITE whose payload never came whole was reported received"
