@@ -281,14 +281,16 @@ def test_a_connection_handed_to_another_reactor_is_started_on_that_reactors_thre
 class Recorder:
     """A handler that records its readiness reports (and on which thread), and its shutdown."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, order: list[str] | None = None) -> None:
         self.sock = sock
+        self.order = [] if order is None else order  # "event" at each report, shared with what a test times
         self.events: list[int] = []
         self.threads: set[str] = set()
         self.shut = threading.Event()
         self.seen = threading.Event()
 
     def ready(self, events: int) -> None:
+        self.order.append("event")
         self.events.append(events)
         self.threads.add(threading.current_thread().name)
         with contextlib.suppress(BlockingIOError):
@@ -375,6 +377,22 @@ def test_timers_run_in_time_order_on_the_thread_and_a_cancelled_one_never_runs()
         assert time.monotonic() >= now + 0.2
 
 
+def test_a_timer_runs_at_its_time_not_at_the_next_event() -> None:
+    with a_reactor() as reactor, socket_pair() as (ours, theirs):
+        ours.setblocking(False)
+        order: list[str] = []
+        handler = Recorder(ours, order)
+        timer_ran = threading.Event()
+        timer = both(lambda: order.append("timer"), timer_ran.set)
+        run_on(reactor, lambda: reactor.watch(ours.fileno(), handler, IN))
+        run_on(reactor, lambda: reactor.call_at(time.monotonic() + 0.05, timer))
+        time.sleep(0.5)  # the timer's time, then long after it an event
+        theirs.sendall(b"x")
+        assert handler.seen.wait(10)
+        assert timer_ran.is_set()
+        assert order == ["timer", "event"], "the timer waited for the poll to be woken by an event"
+
+
 def test_a_call_from_another_thread_wakes_an_idle_reactor_and_runs_on_its_thread() -> None:
     with a_reactor() as reactor:
         time.sleep(0.05)  # blocked in its poll, with no timer
@@ -415,7 +433,9 @@ def test_a_failing_handler_is_logged_and_the_reactor_serves_on(caplog: pytest.Lo
         done = threading.Event()
         assert reactor.call_soon(done.set)
         assert done.wait(10), "the reactor's thread ended with its handler's exception"
-        assert any("handler failed" in r.getMessage() and r.exc_info for r in caplog.records)
+        assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+            ("tcp data port: a connection's handler failed", True)
+        ]
 
 
 def test_stop_runs_last_on_the_thread_then_shuts_every_watched_handler_and_ends() -> None:
@@ -427,16 +447,17 @@ def test_stop_runs_last_on_the_thread_then_shuts_every_watched_handler_and_ends(
         helper_ran = threading.Event()
         release = threading.Event()
 
-        def helper() -> None:
+        def helper() -> None:  # still running when the reactor's thread has ended
             release.wait(10)
+            time.sleep(0.2)
             helper_ran.set()
 
         reactor.spawn(helper, "test-helper")
-        release.set()
 
         def last() -> None:
             order.append(threading.current_thread().name)
             assert not handler.shut.is_set(), "a handler was shut down before last ran"
+            release.set()
 
         reactor.stop(last)
         assert order == ["test-reactor"]
