@@ -275,6 +275,17 @@ def test_a_stop_from_another_thread_ends_service_and_join_waits_for_it(caplog: p
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a stop logged an error"
 
 
+def test_a_reset_between_chunks_is_the_end_of_the_stream_not_data() -> None:
+    with served(30.0, tcp=True) as (connection, peer, _reactor):
+        peer.sendall(b"abcd")
+        until(lambda: connection.chunks == [b"abcd"])
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # a reset: the connection's read raises ECONNRESET
+        assert connection.gone.wait(ENDS)
+        assert connection.vendors == [None], "the reset was read as the first byte of a chunk"
+        assert connection.chunks == [b"abcd"]
+
+
 # -- the chunk deadline ---------------------------------------------------------------------------------
 
 
