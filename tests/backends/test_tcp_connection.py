@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import pytest
 
 from moriio_async.backends.tcp import VendorErr
-from moriio_async.backends.tcp.connection import DRAIN, HEAD, LINGER, PAYLOAD, SENDING, Connection
+from moriio_async.backends.tcp.connection import BUDGET, DRAIN, HEAD, LINGER, PAYLOAD, SENDING, Connection
 from moriio_async.backends.tcp.iov import MIN_RATE
 from moriio_async.backends.tcp.pending import Pending
 from moriio_async.backends.tcp.reactor import IN, Reactor
@@ -48,6 +48,11 @@ class Chunks(Connection):
         self.vendors: list[VendorErr | None] = []
         self.ended_at = 0.0
         self.gone = threading.Event()
+        self.readies = 0
+
+    def ready(self, events: int) -> None:
+        self.readies += 1
+        super().ready(events)
 
     def read_chunk(self) -> bool:
         n = self.recv(self.buf[self.got :])
@@ -234,6 +239,16 @@ def test_the_linger_takes_in_what_the_peer_sends_and_ends_when_it_hangs_up() -> 
         assert connection.vendors == [None]
 
 
+def test_a_lingering_connection_is_not_served_readiness_but_polls_on_its_timer() -> None:
+    """Its read-shut socket is always readable: watched for it, the reactor would spin on it."""
+    with served(30.0, tcp=True) as (connection, _peer, reactor):
+        on_reactor(reactor, lambda: abort_and_linger(connection))
+        before = connection.readies
+        time.sleep(0.2)
+        assert connection.readies == before
+        assert connection.phase == LINGER
+
+
 def test_the_linger_ends_when_the_peer_hangs_up_without_sending() -> None:
     with served(30.0, tcp=True) as (connection, peer, reactor):
         on_reactor(reactor, lambda: abort_and_linger(connection))
@@ -284,6 +299,15 @@ def test_a_reset_between_chunks_is_the_end_of_the_stream_not_data() -> None:
         assert connection.gone.wait(ENDS)
         assert connection.vendors == [None], "the reset was read as the first byte of a chunk"
         assert connection.chunks == [b"abcd"]
+
+
+def test_a_backlog_past_the_budget_is_served_at_the_next_turns(caplog: pytest.LogCaptureFixture) -> None:
+    with served(30.0) as (connection, peer, _reactor):
+        backlog = [bytes([65 + i % 26]) * CHUNK for i in range(3 * BUDGET)]  # one socket call each
+        peer.sendall(b"".join(backlog))
+        until(lambda: len(connection.chunks) == len(backlog))
+        assert connection.chunks == backlog
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 # -- the chunk deadline ---------------------------------------------------------------------------------
