@@ -5,11 +5,12 @@ The peers speak the data wire by hand (``datawire.py``), over real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from moriio_async.backends import open_backend
 from moriio_async.backends.base import Backend
 from moriio_async.backends.tcp import TcpOptions
 from moriio_async.backends.tcp.connection import BUDGET
+from moriio_async.backends.tcp.reactor import IN, Reactor
 from moriio_async.backends.tcp.regions import TcpRegion
 from moriio_async.status import Access
 
@@ -271,3 +273,206 @@ def test_a_connection_handed_to_another_reactor_is_started_on_that_reactors_thre
         assert dw.HELLO_ACK.unpack(dw.recv_exactly(sock, dw.HELLO_ACK.size))[2] == dw.OK
         served(p, sock, 0, 0)
         assert (first.watched, second.watched) == (1, 1)
+
+
+# -- the reactor itself: readiness, timers, calls from other threads, stopping ------------------------------
+
+
+class Recorder:
+    """A handler that records its readiness reports (and on which thread), and its shutdown."""
+
+    def __init__(self, sock: socket.socket, order: list[str] | None = None) -> None:
+        self.sock = sock
+        self.order = [] if order is None else order  # "event" at each report, shared with what a test times
+        self.events: list[int] = []
+        self.threads: set[str] = set()
+        self.shut = threading.Event()
+        self.seen = threading.Event()
+
+    def ready(self, events: int) -> None:
+        self.order.append("event")
+        self.events.append(events)
+        self.threads.add(threading.current_thread().name)
+        with contextlib.suppress(BlockingIOError):
+            self.sock.recv(4096)
+        self.seen.set()
+
+    def shutdown(self) -> None:
+        self.shut.set()
+
+
+@contextmanager
+def a_reactor() -> Iterator[Reactor]:
+    reactor = Reactor("test-reactor")
+    try:
+        yield reactor
+    finally:
+        reactor.stop(lambda: None)
+
+
+def both(*calls: Callable[[], object]) -> Callable[[], None]:
+    def call() -> None:
+        for c in calls:
+            c()
+
+    return call
+
+
+def run_on(reactor: Reactor, call: Callable[[], object]) -> None:
+    done = threading.Event()
+    assert reactor.call_soon(both(call, done.set))
+    assert done.wait(10)
+
+
+@contextmanager
+def socket_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        yield ours, theirs
+
+
+def test_a_watched_socket_is_served_on_the_reactor_thread_for_what_it_is_watched_for() -> None:
+    with a_reactor() as reactor, socket_pair() as (ours, theirs):
+        ours.setblocking(False)
+        handler = Recorder(ours)
+        run_on(reactor, lambda: reactor.watch(ours.fileno(), handler, 0))
+        assert reactor.watched == 1
+        theirs.sendall(b"x")
+        time.sleep(0.1)
+        assert handler.events == [], "a socket watched for nothing but hang-ups was served for data"
+        run_on(reactor, lambda: reactor.want(ours.fileno(), IN))
+        assert handler.seen.wait(10)
+        assert handler.events[0] & IN
+        assert handler.threads == {"test-reactor"}
+        other = Recorder(ours)  # watching a watched fd again replaces its handler and its mask
+        run_on(reactor, lambda: reactor.watch(ours.fileno(), other, IN))
+        assert reactor.watched == 1
+        theirs.sendall(b"y")
+        assert other.seen.wait(10)
+        run_on(reactor, lambda: reactor.unwatch(ours.fileno()))
+        run_on(reactor, lambda: reactor.unwatch(ours.fileno()))  # twice: nothing to forget
+        assert reactor.watched == 0
+        count = len(other.events)
+        theirs.sendall(b"z")
+        time.sleep(0.1)
+        assert len(other.events) == count, "an unwatched socket was still served"
+
+
+def test_timers_run_in_time_order_on_the_thread_and_a_cancelled_one_never_runs() -> None:
+    with a_reactor() as reactor:
+        ran: list[str] = []
+        done = threading.Event()
+        now = time.monotonic()
+
+        def arm() -> None:
+            reactor.call_at(now + 0.2, both(lambda: ran.append("late"), done.set))
+            reactor.call_at(now + 0.1, lambda: ran.append("tie 1"))
+            reactor.call_at(now + 0.1, lambda: ran.append("tie 2"))  # equal times: in the order armed
+            reactor.call_at(now + 0.05, lambda: ran.append("first"))
+            reactor.call_at(now + 0.1, lambda: ran.append("cancelled")).cancel()
+
+        assert reactor.call_soon(arm)
+        assert done.wait(10), "a timer of an otherwise idle reactor never ran"
+        assert ran == ["first", "tie 1", "tie 2", "late"]
+        assert time.monotonic() >= now + 0.2
+
+
+def test_a_timer_runs_at_its_time_not_at_the_next_event() -> None:
+    with a_reactor() as reactor, socket_pair() as (ours, theirs):
+        ours.setblocking(False)
+        order: list[str] = []
+        handler = Recorder(ours, order)
+        timer_ran = threading.Event()
+        timer = both(lambda: order.append("timer"), timer_ran.set)
+        run_on(reactor, lambda: reactor.watch(ours.fileno(), handler, IN))
+        run_on(reactor, lambda: reactor.call_at(time.monotonic() + 0.05, timer))
+        time.sleep(0.5)  # the timer's time, then long after it an event
+        theirs.sendall(b"x")
+        assert handler.seen.wait(10)
+        assert timer_ran.is_set()
+        assert order == ["timer", "event"], "the timer waited for the poll to be woken by an event"
+
+
+def test_a_call_from_another_thread_wakes_an_idle_reactor_and_runs_on_its_thread() -> None:
+    with a_reactor() as reactor:
+        time.sleep(0.05)  # blocked in its poll, with no timer
+        where: list[str] = []
+        done = threading.Event()
+        assert reactor.call_soon(both(lambda: where.append(threading.current_thread().name), done.set))
+        assert done.wait(10)
+        assert where == ["test-reactor"]
+        assert not reactor.on_thread()
+
+
+def test_calls_that_queue_calls_do_not_starve_the_sockets() -> None:
+    with a_reactor() as reactor, socket_pair() as (ours, theirs):
+        ours.setblocking(False)
+        handler = Recorder(ours)
+        stop = threading.Event()
+
+        def again() -> None:  # a call that always queues another: run on the next turn, after the poll
+            if not stop.is_set():
+                reactor.call_soon(again)
+
+        run_on(reactor, lambda: reactor.watch(ours.fileno(), handler, IN))
+        reactor.call_soon(again)
+        theirs.sendall(b"x")
+        try:
+            assert handler.seen.wait(10), "a chain of calls held the reactor from its sockets"
+        finally:
+            stop.set()
+
+
+def test_a_failing_handler_is_logged_and_the_reactor_serves_on(caplog: pytest.LogCaptureFixture) -> None:
+    with a_reactor() as reactor:
+
+        def fails() -> None:
+            raise RuntimeError("a handler's bug")
+
+        reactor.call_soon(fails)
+        done = threading.Event()
+        assert reactor.call_soon(done.set)
+        assert done.wait(10), "the reactor's thread ended with its handler's exception"
+        assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+            ("tcp data port: a connection's handler failed", True)
+        ]
+
+
+def test_stop_runs_last_on_the_thread_then_shuts_every_watched_handler_and_ends() -> None:
+    reactor = Reactor("test-reactor")
+    with socket_pair() as (ours, _theirs):
+        handler = Recorder(ours)
+        run_on(reactor, lambda: reactor.watch(ours.fileno(), handler, 0))
+        order: list[str] = []
+        helper_ran = threading.Event()
+        release = threading.Event()
+
+        def helper() -> None:  # still running when the reactor's thread has ended
+            release.wait(10)
+            time.sleep(0.2)
+            helper_ran.set()
+
+        reactor.spawn(helper, "test-helper")
+
+        def last() -> None:
+            order.append(threading.current_thread().name)
+            assert not handler.shut.is_set(), "a handler was shut down before last ran"
+            release.set()
+
+        reactor.stop(last)
+        assert order == ["test-reactor"]
+        assert handler.shut.is_set()
+        assert not reactor.thread.is_alive()
+        assert helper_ran.is_set(), "stop returned before its helper thread ended"
+        assert not reactor.call_soon(lambda: None), "a call was taken by a stopped reactor"
+        reactor.stop(lambda: order.append("again"))  # idempotent: nothing runs
+        assert order == ["test-reactor"]
+
+
+def test_stop_from_the_reactor_thread_does_not_wait_for_itself() -> None:
+    reactor = Reactor("test-reactor")
+    returned = threading.Event()
+    assert reactor.call_soon(both(lambda: reactor.stop(lambda: None), returned.set))
+    reactor.thread.join(10)
+    assert returned.is_set()
+    assert not reactor.thread.is_alive()
