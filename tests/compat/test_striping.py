@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from moriio_async import WcStatus
 from moriio_async.compat.mori import IOEngine, IOEngineSession, RdmaBackendConfig, StatusCode, TransferStatus
@@ -43,6 +44,30 @@ def test_plan_merges_sorts_and_rotates() -> None:
     assert [p.stripe for p in plan_parts(lo, ro, sz, stripes=3, post_batch_size=2, uid=0)] == [0, 1, 2, 0]
     assert [len(p.sizes) for p in plan_parts(lo, ro, sz, stripes=1, post_batch_size=0, uid=0)] == [1] * 8
     assert plan_parts([0, 8], [0, 8], [0, 0], stripes=2, post_batch_size=-1, uid=0) == []
+
+
+def test_plan_merges_only_blocks_contiguous_on_both_sides() -> None:
+    # remote contiguous, local not (and the reverse): two requests, each as given
+    for lo, ro in (([0, 512], [0, 256]), ([0, 256], [0, 512])):
+        parts = plan_parts(lo, ro, [256, 256], stripes=1, post_batch_size=-1, uid=0)
+        assert [(p.local_offsets, p.remote_offsets, p.sizes) for p in parts] == [(lo, ro, [256, 256])]
+    # a run of three contiguous blocks is one request, the next gap starts another
+    parts = plan_parts(
+        [0, 100, 200, 1000], [0, 100, 200, 1000], [100, 100, 100, 8], stripes=1, post_batch_size=-1, uid=0
+    )
+    assert [(p.local_offsets, p.sizes) for p in parts] == [([0, 1000], [300, 8])]
+
+
+def test_plan_rounds_posts_per_stripe_up_and_rotates_by_uid_over_every_stripe() -> None:
+    lo, ro, sz = scattered(7)
+    assert [len(p.sizes) for p in plan_parts(lo, ro, sz, stripes=2, post_batch_size=-1, uid=0)] == [4, 3]
+    assert [p.stripe for p in plan_parts(lo, ro, sz, stripes=3, post_batch_size=-1, uid=1)] == [1, 2, 0]
+    assert [p.stripe for p in plan_parts(lo, ro, sz, stripes=3, post_batch_size=-1, uid=5)] == [2, 0, 1]
+
+
+def test_plan_refuses_lists_of_different_lengths_instead_of_dropping_blocks() -> None:
+    with pytest.raises(ValueError, match="zip"):
+        plan_parts([0, 512], [0, 512], [256], stripes=1, post_batch_size=-1, uid=0)
 
 
 def test_a_striped_status_ends_when_every_stripe_has(held: tuple[IOEngine, IOEngine]) -> None:
