@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,9 @@ from moriio_async.compat.mori import (
     StatusCode,
     XgmiBackendConfig,
 )
+from moriio_async.compat.mori import desc as desc_module
+from moriio_async.compat.mori.desc import node_id
+from moriio_async.compat.mori.plan import check_blocks
 
 from .conftest import make_pair, on_loop, options, register
 
@@ -151,6 +156,19 @@ def test_bad_input_fails_the_status_at_once(pair: tuple[IOEngine, IOEngine]) -> 
     assert a.read(mx, 0, my, 60, 8, 1).Code() is StatusCode.ERR_INVALID_ARGS
 
 
+def test_block_checks_say_which_value_is_bad_and_bound_each_side_and_size() -> None:
+    assert check_blocks([-1], [0], [1], 64, 64) == "invalid block: -1 is negative"
+    assert check_blocks([0], [True], [1], 64, 64) == "invalid block: True is not an integer"
+    assert check_blocks([60], [0], [8], 64, 64) == "length out of range"  # the local side alone overflows
+    assert check_blocks([0], [60], [8], 64, 64) == "length out of range"  # the remote side alone
+    assert check_blocks([0], [0], [0], 0, 0) == ([0], [0], [0])  # offset 0 is no negative offset
+    # UINT32_MAX itself is a size MoRI-IO takes; one byte more is refused for its size before its range
+    uint32_max = (1 << 32) - 1
+    assert check_blocks([0], [0], [uint32_max], uint32_max, uint32_max) == ([0], [0], [uint32_max])
+    too_big = check_blocks([0], [0], [1 << 32], 1 << 40, 1 << 40)
+    assert too_big == "single request size 4294967296 exceeds UINT32_MAX; split it before submitting"
+
+
 def test_no_backend_no_session_and_bad_state() -> None:
     config = IOEngineConfig(host="127.0.0.1", port=0, options=options("mock"))
     a, b = IOEngine("nb-initiator", config), IOEngine("nb-target", config)
@@ -197,7 +215,9 @@ def test_deregister_remote_engine(pair: tuple[IOEngine, IOEngine]) -> None:
 def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:
     a, _ = pair
     desc = a.get_engine_desc()
-    assert desc.key == a.key and desc.port > 0 and desc.pid > 0 and desc.node_id and desc.hostname
+    assert desc.key == a.key and desc.port > 0 and desc.pid == os.getpid()
+    assert desc.node_id == node_id() and desc.hostname == socket.gethostname()
+    assert on_loop(a, a.aio.get_engine_desc).transports and desc.inner.transports == ()  # the peer's hello tells them
     assert EngineDesc.unpack(desc.pack()) == desc
     buf, mem = register(a, 128)
     assert mem.engine_key == a.key and mem.size == 128 and mem.data == buf.ctypes.data
@@ -209,6 +229,20 @@ def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngi
             MemoryDesc.unpack(raw)
     with pytest.raises(InvalidArgument):
         EngineDesc.unpack(mem.pack())
+
+
+def test_node_id_is_mori_node_id_else_the_boot_id_else_the_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORI_NODE_ID", "node-7")
+    assert node_id() == "node-7"
+    monkeypatch.delenv("MORI_NODE_ID")
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert node_id() == f.read().strip() != ""
+
+    def no_proc(*_: object, **__: object) -> None:
+        raise FileNotFoundError("no /proc here")
+
+    monkeypatch.setattr(desc_module, "open", no_proc, raising=False)
+    assert node_id() == socket.gethostname()
 
 
 def test_register_memory_takes_a_raw_address(pair: tuple[IOEngine, IOEngine]) -> None:
