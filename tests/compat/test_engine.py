@@ -53,6 +53,10 @@ def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngin
     assert st.Succeeded()
     for i in range(16):
         assert np.array_equal(x[i << 12 : (i + 1) << 12], y[(15 - i) << 12 : (16 - i) << 12])
+    y[: 8 << 10] = 9  # a session's batch_read moves the other way: the remote bytes into the local region
+    st = session.batch_read([0, 4096], [0, 4096], [4096, 4096], session.allocate_transfer_uid())
+    assert st.WaitFor(10_000) is StatusCode.SUCCESS
+    assert (x[: 8 << 10] == 9).all() and (y[: 8 << 10] == 9).all()
     session.close()
     assert not session.alive()
     assert session.read(0, 0, 8).Code() is StatusCode.ERR_BAD_STATE

@@ -24,6 +24,7 @@ def test_each_posted_status_is_one_line_in_its_engines_file(tmp_path: Path, monk
         assert session.batch_write([0, 4096], [0, 4096], [1024, 512]).WaitFor(10_000) is StatusCode.SUCCESS
         assert session.read(0, 0, 100).WaitFor(10_000) is StatusCode.SUCCESS
         assert session.write(0, 8000, 300).Code() is StatusCode.ERR_INVALID_ARGS  # refused before posting: no line
+        assert a.write(mx, 0, my, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS  # engine-level: a line too
     finally:
         a.close()
         b.close()
@@ -34,6 +35,7 @@ def test_each_posted_status_is_one_line_in_its_engines_file(tmp_path: Path, monk
     assert [(r["engine"], r["op"], r["bytes"], r["code"], r["transport"]) for r in traced] == [
         (a.key, "write", 1536, 0, "tcp"),
         (a.key, "read", 100, 0, "tcp"),
+        (a.key, "write", 64, 0, "tcp"),
     ]
     assert all(0 < r["t0"] <= r["t1"] for r in traced)
 
