@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
@@ -169,3 +172,28 @@ def test_striping_over_tcp_queue_pairs_moves_every_byte() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_session_closing_with_a_drain_timeout_lets_held_requests_end_and_aborts_them_at_the_timeout(
+    held: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = held
+    _, mx = register(a, 8192)
+    _, my = register(b, 8192)
+    lo, ro, sz = scattered(8)
+    drained, aborted = a.create_session(mx, my), a.create_session(mx, my)
+    assert drained is not None and aborted is not None
+    ends = drained.batch_write(lo, ro, sz, 0)
+    cut = aborted.batch_write(lo, ro, sz, 0)
+    assert ends.WaitFor(20) is StatusCode.IN_PROGRESS and cut.WaitFor(20) is StatusCode.IN_PROGRESS
+    closing = asyncio.run_coroutine_threadsafe(drained.aclose(drain_timeout=30), a.loop)
+    while not on_loop(a, lambda: drained.closed):  # the close has begun: the steps below happen during it
+        time.sleep(0.001)
+    step(a, drained, 0)
+    step(a, drained, 1)
+    closing.result(10)
+    assert ends.WaitFor(5000) is StatusCode.SUCCESS  # the drain let both stripes end before the close
+    # nothing steps these: the close stops draining at the timeout, without an error, and aborts them
+    asyncio.run_coroutine_threadsafe(aborted.aclose(drain_timeout=0.05), a.loop).result(10)
+    assert cut.WaitFor(5000) is not StatusCode.IN_PROGRESS and cut.Failed()
+    assert drained.closed and aborted.closed and not any(s.alive() for s in drained.stripes + aborted.stripes)
