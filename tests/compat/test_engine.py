@@ -31,6 +31,7 @@ from moriio_async.compat.mori.desc import node_id
 from moriio_async.compat.mori.plan import check_blocks
 
 from .conftest import make_pair, on_loop, options, register
+from .test_inbound import wait_inbound
 
 
 def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngine]) -> None:
@@ -137,6 +138,12 @@ def test_empty_batches_and_zero_size_blocks_as_mori(pair: tuple[IOEngine, IOEngi
     st.Wait()
     assert st.Succeeded() and np.array_equal(x[:16], y[:16]) and not y[16:].any()
     assert session.write(10, 10, 0).Code() is StatusCode.SUCCESS
+    # engine-level, every block of size 0: posted, moves nothing, succeeds with no message and is announced
+    uid = a.allocate_transfer_uid()
+    zero = a.write(mx, 10, my, 10, 0, uid)
+    assert zero.WaitFor(10_000) is StatusCode.SUCCESS and zero.Message() == ""
+    inbound = wait_inbound(b, a.key, uid)
+    assert inbound is not None and inbound.Code() is StatusCode.SUCCESS
     bad = session.batch_write([4097], [0], [0])
     assert bad.Code() is StatusCode.ERR_INVALID_ARGS and bad.Message() == "length out of range"
 
