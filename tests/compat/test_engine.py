@@ -60,7 +60,8 @@ def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngin
     assert (x[: 8 << 10] == 9).all() and (y[: 8 << 10] == 9).all()
     session.close()
     assert not session.alive()
-    assert session.read(0, 0, 8).Code() is StatusCode.ERR_BAD_STATE
+    after = session.read(0, 0, 8)
+    assert after.Code() is StatusCode.ERR_BAD_STATE and after.Message() == "session is closed"
     session.close()  # closing a closed session does nothing, so it waits for nothing: fine on the loop thread too
     on_loop(a, session.close)
 
@@ -131,7 +132,8 @@ def test_empty_batches_and_zero_size_blocks_as_mori(pair: tuple[IOEngine, IOEngi
     y, my = register(b, 4096, fill=0)
     session = a.create_session(mx, my)
     assert session is not None
-    assert session.batch_write([], [], []).Code() is StatusCode.SUCCESS
+    empty = session.batch_write([], [], [])
+    assert empty.Code() is StatusCode.SUCCESS and empty.Message() == ""
     assert a.batch_write([mx], [[]], [my], [[]], [[]], [7])[0].Code() is StatusCode.SUCCESS
     # size-0 blocks are checked (offset <= size) and move nothing; the rest of the batch goes
     st = session.batch_write([4096, 0, 100], [4096, 0, 100], [0, 16, 0])
