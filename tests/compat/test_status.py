@@ -43,7 +43,7 @@ def test_the_codes_are_moriio_async_s_one_for_one() -> None:
 
 def test_status_surface_and_codes_print_as_mori_does() -> None:
     status = TransferStatus()
-    assert status.Init() and not status.InProgress() and not status.Failed()
+    assert status.Init() and not status.InProgress() and not status.Failed() and status.Message() == ""
     assert status.WaitFor(-1) is StatusCode.INIT  # not in progress: returns at once, as in MoRI-IO
     status.SetCode(StatusCode.IN_PROGRESS)
     assert status.InProgress() and status.WaitFor(0) is StatusCode.IN_PROGRESS
