@@ -197,3 +197,20 @@ def test_a_session_closing_with_a_drain_timeout_lets_held_requests_end_and_abort
     asyncio.run_coroutine_threadsafe(aborted.aclose(drain_timeout=0.05), a.loop).result(10)
     assert cut.WaitFor(5000) is not StatusCode.IN_PROGRESS and cut.Failed()
     assert drained.closed and aborted.closed and not any(s.alive() for s in drained.stripes + aborted.stripes)
+
+
+def test_a_part_refused_at_posting_ends_with_its_reason_and_the_other_stripes_still_post(
+    held: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = held
+    _, mx = register(a, 8192)
+    _, my = register(b, 8192)
+    session = a.create_session(mx, my)
+    assert session is not None
+    asyncio.run_coroutine_threadsafe(session.stripes[1].close(), a.loop).result(10)
+    status = session.batch_write(*scattered(8), 1)  # uid 1: the first post goes to the closed stripe 1
+    assert status.WaitFor(20) is StatusCode.IN_PROGRESS  # stripe 0 still holds its part
+    assert held_counts(a, session)[0] == 4
+    step(a, session, 0)
+    assert status.WaitFor(5000) is StatusCode.ERR_BAD_STATE
+    assert "closed" in status.Message(), status.Message()
