@@ -41,6 +41,7 @@ def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngin
     my = MemoryDesc.unpack(my.pack())  # as a peer would receive it
     st = a.write(mx, 0, my, 0, 32 << 10, a.allocate_transfer_uid())
     assert st.WaitFor(10_000) is StatusCode.SUCCESS, st.Message()
+    assert st.Message() == "success"  # MoRI-IO's ibv_wc_status_str(IBV_WC_SUCCESS)
     assert np.array_equal(x[: 32 << 10], y[: 32 << 10])
     st = a.read(mx, 32 << 10, my, 0, 32 << 10, a.allocate_transfer_uid())
     st.Wait()
