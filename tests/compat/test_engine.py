@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +26,12 @@ from moriio_async.compat.mori import (
     StatusCode,
     XgmiBackendConfig,
 )
+from moriio_async.compat.mori import desc as desc_module
+from moriio_async.compat.mori.desc import node_id
+from moriio_async.compat.mori.plan import check_blocks
 
 from .conftest import make_pair, on_loop, options, register
+from .test_inbound import wait_inbound
 
 
 def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngine]) -> None:
@@ -35,6 +41,7 @@ def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngin
     my = MemoryDesc.unpack(my.pack())  # as a peer would receive it
     st = a.write(mx, 0, my, 0, 32 << 10, a.allocate_transfer_uid())
     assert st.WaitFor(10_000) is StatusCode.SUCCESS, st.Message()
+    assert st.Message() == "success"  # MoRI-IO's ibv_wc_status_str(IBV_WC_SUCCESS)
     assert np.array_equal(x[: 32 << 10], y[: 32 << 10])
     st = a.read(mx, 32 << 10, my, 0, 32 << 10, a.allocate_transfer_uid())
     st.Wait()
@@ -48,9 +55,14 @@ def test_read_write_engine_level_and_session_level(pair: tuple[IOEngine, IOEngin
     assert st.Succeeded()
     for i in range(16):
         assert np.array_equal(x[i << 12 : (i + 1) << 12], y[(15 - i) << 12 : (16 - i) << 12])
+    y[: 8 << 10] = 9  # a session's batch_read moves the other way: the remote bytes into the local region
+    st = session.batch_read([0, 4096], [0, 4096], [4096, 4096], session.allocate_transfer_uid())
+    assert st.WaitFor(10_000) is StatusCode.SUCCESS
+    assert (x[: 8 << 10] == 9).all() and (y[: 8 << 10] == 9).all()
     session.close()
     assert not session.alive()
-    assert session.read(0, 0, 8).Code() is StatusCode.ERR_BAD_STATE
+    after = session.read(0, 0, 8)
+    assert after.Code() is StatusCode.ERR_BAD_STATE and after.Message() == "session is closed"
     session.close()  # closing a closed session does nothing, so it waits for nothing: fine on the loop thread too
     on_loop(a, session.close)
 
@@ -121,13 +133,20 @@ def test_empty_batches_and_zero_size_blocks_as_mori(pair: tuple[IOEngine, IOEngi
     y, my = register(b, 4096, fill=0)
     session = a.create_session(mx, my)
     assert session is not None
-    assert session.batch_write([], [], []).Code() is StatusCode.SUCCESS
+    empty = session.batch_write([], [], [])
+    assert empty.Code() is StatusCode.SUCCESS and empty.Message() == ""
     assert a.batch_write([mx], [[]], [my], [[]], [[]], [7])[0].Code() is StatusCode.SUCCESS
     # size-0 blocks are checked (offset <= size) and move nothing; the rest of the batch goes
     st = session.batch_write([4096, 0, 100], [4096, 0, 100], [0, 16, 0])
     st.Wait()
     assert st.Succeeded() and np.array_equal(x[:16], y[:16]) and not y[16:].any()
     assert session.write(10, 10, 0).Code() is StatusCode.SUCCESS
+    # engine-level, every block of size 0: posted, moves nothing, succeeds with no message and is announced
+    uid = a.allocate_transfer_uid()
+    zero = a.write(mx, 10, my, 10, 0, uid)
+    assert zero.WaitFor(10_000) is StatusCode.SUCCESS and zero.Message() == ""
+    inbound = wait_inbound(b, a.key, uid)
+    assert inbound is not None and inbound.Code() is StatusCode.SUCCESS
     bad = session.batch_write([4097], [0], [0])
     assert bad.Code() is StatusCode.ERR_INVALID_ARGS and bad.Message() == "length out of range"
 
@@ -149,6 +168,19 @@ def test_bad_input_fails_the_status_at_once(pair: tuple[IOEngine, IOEngine]) -> 
     huge = session.batch_read([0], [0], [1 << 32])
     assert "exceeds UINT32_MAX" in huge.Message()
     assert a.read(mx, 0, my, 60, 8, 1).Code() is StatusCode.ERR_INVALID_ARGS
+
+
+def test_block_checks_say_which_value_is_bad_and_bound_each_side_and_size() -> None:
+    assert check_blocks([-1], [0], [1], 64, 64) == "invalid block: -1 is negative"
+    assert check_blocks([0], [True], [1], 64, 64) == "invalid block: True is not an integer"
+    assert check_blocks([60], [0], [8], 64, 64) == "length out of range"  # the local side alone overflows
+    assert check_blocks([0], [60], [8], 64, 64) == "length out of range"  # the remote side alone
+    assert check_blocks([0], [0], [0], 0, 0) == ([0], [0], [0])  # offset 0 is no negative offset
+    # UINT32_MAX itself is a size MoRI-IO takes; one byte more is refused for its size before its range
+    uint32_max = (1 << 32) - 1
+    assert check_blocks([0], [0], [uint32_max], uint32_max, uint32_max) == ([0], [0], [uint32_max])
+    too_big = check_blocks([0], [0], [1 << 32], 1 << 40, 1 << 40)
+    assert too_big == "single request size 4294967296 exceeds UINT32_MAX; split it before submitting"
 
 
 def test_no_backend_no_session_and_bad_state() -> None:
@@ -197,7 +229,9 @@ def test_deregister_remote_engine(pair: tuple[IOEngine, IOEngine]) -> None:
 def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:
     a, _ = pair
     desc = a.get_engine_desc()
-    assert desc.key == a.key and desc.port > 0 and desc.pid > 0 and desc.node_id and desc.hostname
+    assert desc.key == a.key and desc.port > 0 and desc.pid == os.getpid()
+    assert desc.node_id == node_id() and desc.hostname == socket.gethostname()
+    assert on_loop(a, a.aio.get_engine_desc).transports and desc.inner.transports == ()  # the peer's hello tells them
     assert EngineDesc.unpack(desc.pack()) == desc
     buf, mem = register(a, 128)
     assert mem.engine_key == a.key and mem.size == 128 and mem.data == buf.ctypes.data
@@ -209,6 +243,20 @@ def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngi
             MemoryDesc.unpack(raw)
     with pytest.raises(InvalidArgument):
         EngineDesc.unpack(mem.pack())
+
+
+def test_node_id_is_mori_node_id_else_the_boot_id_else_the_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORI_NODE_ID", "node-7")
+    assert node_id() == "node-7"
+    monkeypatch.delenv("MORI_NODE_ID")
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert node_id() == f.read().strip() != ""
+
+    def no_proc(*_: object, **__: object) -> None:
+        raise FileNotFoundError("no /proc here")
+
+    monkeypatch.setattr(desc_module, "open", no_proc, raising=False)
+    assert node_id() == socket.gethostname()
 
 
 def test_register_memory_takes_a_raw_address(pair: tuple[IOEngine, IOEngine]) -> None:

@@ -43,7 +43,7 @@ def test_the_codes_are_moriio_async_s_one_for_one() -> None:
 
 def test_status_surface_and_codes_print_as_mori_does() -> None:
     status = TransferStatus()
-    assert status.Init() and not status.InProgress() and not status.Failed()
+    assert status.Init() and not status.InProgress() and not status.Failed() and status.Message() == ""
     assert status.WaitFor(-1) is StatusCode.INIT  # not in progress: returns at once, as in MoRI-IO
     status.SetCode(StatusCode.IN_PROGRESS)
     assert status.InProgress() and status.WaitFor(0) is StatusCode.IN_PROGRESS
@@ -154,10 +154,10 @@ class EndsAt(TransferStatus):
     """A status that ends with SUCCESS at ``at`` on the fake clock: a wait of ``timeout_ms`` moves the clock
     to the end (or by the whole timeout, if it ends later), as a real wait would spend that time."""
 
-    def __init__(self, clock: FakeClock, at: float) -> None:
+    def __init__(self, clock: FakeClock, at: float, code: StatusCode = StatusCode.SUCCESS) -> None:
         super().__init__()
         self.SetCode(StatusCode.IN_PROGRESS)
-        self.clock, self.at = clock, at
+        self.clock, self.at, self.code = clock, at, code
         self.waits: list[int] = []
 
     def WaitFor(self, timeout_ms: int = -1) -> StatusCode:
@@ -166,7 +166,7 @@ class EndsAt(TransferStatus):
             reach = self.clock.now + (timeout_ms / 1000 if timeout_ms > 0 else float("inf"))
             if self.at <= reach:
                 self.clock.now = max(self.clock.now, self.at)
-                self.Update(StatusCode.SUCCESS, "")
+                self.Update(self.code, "")
             else:
                 self.clock.now = reach
         return self.Code()
@@ -190,6 +190,31 @@ def test_wait_all_with_time_left_waits_for_each_status_within_its_deadline(monke
     clock.now = start = 3000.0
     forever = EndsAt(clock, start + 3600)
     assert wait_all([forever]) is StatusCode.SUCCESS and forever.waits == [-1]  # no deadline: waits it out
+
+
+def test_wait_all_at_its_deadline_asks_no_more_statuses_and_answers_the_failure_seen_else_in_progress(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(status_module, "time", clock)
+    start = clock.now
+    # the first status ends exactly at the deadline: the next one, which would end a moment later, is not asked
+    on_time, next_one = EndsAt(clock, start + 1.0), EndsAt(clock, start + 1.0005)
+    assert wait_all([on_time, next_one], timeout_ms=1000) is StatusCode.IN_PROGRESS and next_one.waits == []
+    clock.now = start = 2000.0
+    failing, unasked = EndsAt(clock, start + 1.0, StatusCode.ERR_RDMA_OP), EndsAt(clock, start + 1.0005)
+    assert wait_all([failing, unasked], timeout_ms=1000) is StatusCode.ERR_RDMA_OP and unasked.waits == []
+    # with under a millisecond and a half left, the next status is asked for 1 ms (the floor), not more
+    clock.now = start = 3000.0
+    first, second = EndsAt(clock, start + 0.9985), EndsAt(clock, start + 0.999)
+    assert wait_all([first, second], timeout_ms=1000) is StatusCode.SUCCESS and second.waits == [1]
+
+
+def test_wait_all_with_a_zero_timeout_only_looks(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(status_module, "time", clock)
+    about_to_end = EndsAt(clock, clock.now + 0.0005)
+    assert wait_all([about_to_end], timeout_ms=0) is StatusCode.IN_PROGRESS and about_to_end.waits == [0]
 
 
 def test_set_log_level_takes_mori_ios_level_names_in_any_case() -> None:

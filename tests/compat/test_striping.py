@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
+import pytest
 
 from moriio_async import WcStatus
 from moriio_async.compat.mori import IOEngine, IOEngineSession, RdmaBackendConfig, StatusCode, TransferStatus
@@ -43,6 +47,30 @@ def test_plan_merges_sorts_and_rotates() -> None:
     assert [p.stripe for p in plan_parts(lo, ro, sz, stripes=3, post_batch_size=2, uid=0)] == [0, 1, 2, 0]
     assert [len(p.sizes) for p in plan_parts(lo, ro, sz, stripes=1, post_batch_size=0, uid=0)] == [1] * 8
     assert plan_parts([0, 8], [0, 8], [0, 0], stripes=2, post_batch_size=-1, uid=0) == []
+
+
+def test_plan_merges_only_blocks_contiguous_on_both_sides() -> None:
+    # remote contiguous, local not (and the reverse): two requests, each as given
+    for lo, ro in (([0, 512], [0, 256]), ([0, 256], [0, 512])):
+        parts = plan_parts(lo, ro, [256, 256], stripes=1, post_batch_size=-1, uid=0)
+        assert [(p.local_offsets, p.remote_offsets, p.sizes) for p in parts] == [(lo, ro, [256, 256])]
+    # a run of three contiguous blocks is one request, the next gap starts another
+    parts = plan_parts(
+        [0, 100, 200, 1000], [0, 100, 200, 1000], [100, 100, 100, 8], stripes=1, post_batch_size=-1, uid=0
+    )
+    assert [(p.local_offsets, p.sizes) for p in parts] == [([0, 1000], [300, 8])]
+
+
+def test_plan_rounds_posts_per_stripe_up_and_rotates_by_uid_over_every_stripe() -> None:
+    lo, ro, sz = scattered(7)
+    assert [len(p.sizes) for p in plan_parts(lo, ro, sz, stripes=2, post_batch_size=-1, uid=0)] == [4, 3]
+    assert [p.stripe for p in plan_parts(lo, ro, sz, stripes=3, post_batch_size=-1, uid=1)] == [1, 2, 0]
+    assert [p.stripe for p in plan_parts(lo, ro, sz, stripes=3, post_batch_size=-1, uid=5)] == [2, 0, 1]
+
+
+def test_plan_refuses_lists_of_different_lengths_instead_of_dropping_blocks() -> None:
+    with pytest.raises(ValueError, match="zip"):
+        plan_parts([0, 512], [0, 512], [256], stripes=1, post_batch_size=-1, uid=0)
 
 
 def test_a_striped_status_ends_when_every_stripe_has(held: tuple[IOEngine, IOEngine]) -> None:
@@ -144,3 +172,45 @@ def test_striping_over_tcp_queue_pairs_moves_every_byte() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_session_closing_with_a_drain_timeout_lets_held_requests_end_and_aborts_them_at_the_timeout(
+    held: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = held
+    _, mx = register(a, 8192)
+    _, my = register(b, 8192)
+    lo, ro, sz = scattered(8)
+    drained, aborted = a.create_session(mx, my), a.create_session(mx, my)
+    assert drained is not None and aborted is not None
+    ends = drained.batch_write(lo, ro, sz, 0)
+    cut = aborted.batch_write(lo, ro, sz, 0)
+    assert ends.WaitFor(20) is StatusCode.IN_PROGRESS and cut.WaitFor(20) is StatusCode.IN_PROGRESS
+    closing = asyncio.run_coroutine_threadsafe(drained.aclose(drain_timeout=30), a.loop)
+    while not on_loop(a, lambda: drained.closed):  # the close has begun: the steps below happen during it
+        time.sleep(0.001)
+    step(a, drained, 0)
+    step(a, drained, 1)
+    closing.result(10)
+    assert ends.WaitFor(5000) is StatusCode.SUCCESS  # the drain let both stripes end before the close
+    # nothing steps these: the close stops draining at the timeout, without an error, and aborts them
+    asyncio.run_coroutine_threadsafe(aborted.aclose(drain_timeout=0.05), a.loop).result(10)
+    assert cut.WaitFor(5000) is not StatusCode.IN_PROGRESS and cut.Failed()
+    assert drained.closed and aborted.closed and not any(s.alive() for s in drained.stripes + aborted.stripes)
+
+
+def test_a_part_refused_at_posting_ends_with_its_reason_and_the_other_stripes_still_post(
+    held: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = held
+    _, mx = register(a, 8192)
+    _, my = register(b, 8192)
+    session = a.create_session(mx, my)
+    assert session is not None
+    asyncio.run_coroutine_threadsafe(session.stripes[1].close(), a.loop).result(10)
+    status = session.batch_write(*scattered(8), 1)  # uid 1: the first post goes to the closed stripe 1
+    assert status.WaitFor(20) is StatusCode.IN_PROGRESS  # stripe 0 still holds its part
+    assert held_counts(a, session)[0] == 4
+    step(a, session, 0)
+    assert status.WaitFor(5000) is StatusCode.ERR_BAD_STATE
+    assert "closed" in status.Message(), status.Message()

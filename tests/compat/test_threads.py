@@ -128,6 +128,23 @@ def test_blocking_calls_on_the_loop_thread_raise(pair: tuple[IOEngine, IOEngine]
     assert session.write(0, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
 
 
+def test_on_the_loop_thread_a_look_and_a_wait_on_an_ended_status_answer_without_raising(
+    held: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = held
+    _, mx = register(a, 4096)
+    _, my = register(b, 4096)
+    session = a.create_session(mx, my)
+    assert session is not None
+    pending = session.write(0, 0, 64)  # held by the mock NIC until stepped
+    refused = session.read(0, 0, 1 << 20)  # longer than the regions: ended at once
+    answers = on_loop(a, lambda: (pending.WaitFor(0), refused.WaitFor(-1), refused.WaitFor(10)))
+    assert answers == (StatusCode.IN_PROGRESS, StatusCode.ERR_INVALID_ARGS, StatusCode.ERR_INVALID_ARGS)
+    for stripe in session.stripes:
+        on_loop(a, stripe.channel.qp.step, 100)
+    assert pending.WaitFor(10_000) is StatusCode.SUCCESS
+
+
 def test_a_waiting_thread_lets_others_run_while_a_transfer_is_held(held: tuple[IOEngine, IOEngine]) -> None:
     a, b = held
     _, mx = register(a, 4096)

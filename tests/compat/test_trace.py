@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moriio_async.compat.mori import StatusCode
+from moriio_async.compat.mori import RdmaBackendConfig, StatusCode
 
 from .conftest import make_pair, register
 
@@ -24,6 +24,7 @@ def test_each_posted_status_is_one_line_in_its_engines_file(tmp_path: Path, monk
         assert session.batch_write([0, 4096], [0, 4096], [1024, 512]).WaitFor(10_000) is StatusCode.SUCCESS
         assert session.read(0, 0, 100).WaitFor(10_000) is StatusCode.SUCCESS
         assert session.write(0, 8000, 300).Code() is StatusCode.ERR_INVALID_ARGS  # refused before posting: no line
+        assert a.write(mx, 0, my, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS  # engine-level: a line too
     finally:
         a.close()
         b.close()
@@ -34,8 +35,23 @@ def test_each_posted_status_is_one_line_in_its_engines_file(tmp_path: Path, monk
     assert [(r["engine"], r["op"], r["bytes"], r["code"], r["transport"]) for r in traced] == [
         (a.key, "write", 1536, 0, "tcp"),
         (a.key, "read", 100, 0, "tcp"),
+        (a.key, "write", 64, 0, "tcp"),
     ]
     assert all(0 < r["t0"] <= r["t1"] for r in traced)
+
+
+def test_a_posted_status_is_traced_with_notifications_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORIIO_ASYNC_TRACE", str(tmp_path))
+    a, b = make_pair("quiet", "tcp", RdmaBackendConfig(enable_notification=False))
+    try:
+        _, mx = register(a, 64)
+        _, my = register(b, 64)
+        assert a.write(mx, 0, my, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
+    finally:
+        a.close()
+        b.close()
+    records = [json.loads(line) for f in tmp_path.iterdir() for line in f.read_text().splitlines()]
+    assert [(r["engine"], r["op"], r["bytes"], r["code"]) for r in records] == [(a.key, "write", 64, 0)]
 
 
 def test_without_the_variable_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
