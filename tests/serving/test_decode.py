@@ -11,24 +11,34 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 
 from moriio_async import IOEngine, IOEngineConfig, TcpOptions
 from moriio_async.backends.tcp import PlanHooks
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
-from moriio_async.serving.config import InstanceSettings
-from moriio_async.serving.decode import DecodeServer
+from moriio_async.serving.config import InstanceSettings, Role
+from moriio_async.serving.decode import DecodeServer, Generation
 from moriio_async.serving.instance import Instance, ServingError
 from moriio_async.serving.kvpool import KVLayout
-from moriio_async.serving.messages import EngineRef, GenerateRequest, Release, control_decoder
-from moriio_async.serving.model import Model, ModelConfig
+from moriio_async.serving.messages import (
+    EngineRef,
+    GenerateRequest,
+    PrefillRequest,
+    Release,
+    TokenLine,
+    control_decoder,
+)
+from moriio_async.serving.model import Model, ModelConfig, encode
+from moriio_async.serving.prefill import PrefillServer
 
 pytestmark = pytest.mark.timeout(60)
 
 SMALL = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, block_size=4, max_model_len=32)
 BLOCKS = 16
 PROMPT = [1, 2, 3, 4, 5]  # two blocks of 4 tokens
+ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 
 @dataclass
@@ -126,3 +136,49 @@ async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() 
     finally:
         hooks.release()
         await close(s)
+
+
+# -- WRITE mode: a prefill and a decode instance in one process ----------------------------------------
+
+
+@dataclass
+class Pair:
+    prefill: PrefillServer
+    decode: DecodeServer
+
+
+@pytest.fixture
+async def write_pair() -> AsyncIterator[Pair]:
+    insts = [Instance(InstanceSettings(f"{role}-0", role, SMALL, BLOCKS, backend="mock")) for role in ROLES]
+    for inst in insts:
+        await inst.start()
+    try:
+        yield Pair(PrefillServer(insts[0]), DecodeServer(insts[1]))
+    finally:
+        for inst in insts:
+            await inst.close()
+
+
+async def tokens_of(gen: Generation) -> tuple[list[int], str]:
+    lines = [msgspec.json.decode(line, type=TokenLine) async for line in gen.lines()]
+    *tokens, end = lines
+    return [t.token for t in tokens if t.token is not None], end.finish_reason or ""
+
+
+async def test_a_write_mode_request_generates_the_reference_and_gives_every_block_back(write_pair: Pair) -> None:
+    """Prefill writes the prompt's KV into the blocks decode offered and answers write_done with the first token;
+    decode then generates token for token what one process generates. After it, both pools are whole again."""
+    p, d = write_pair.prefill, write_pair.decode
+    prompt = encode("kv by write")
+    gen_req = GenerateRequest("w1", prompt, 6, "write", p.inst.engine_ref())
+    (gen, d_stats), answer = await asyncio.gather(d.generate(gen_req), p.prefill(PrefillRequest("w1", prompt, "write")))
+    reference = Model(SMALL).generate(prompt, 6)
+    assert answer.first_token == reference[0] and answer.engine == p.inst.engine_ref()
+    n_blocks = SMALL.blocks_for(len(prompt))
+    assert d_stats.bytes == answer.stats.bytes == SMALL.n_layers * 2 * n_blocks * SMALL.block_bytes
+    assert answer.stats.compute_s > 0 and answer.stats.exposed_s >= 0
+    assert await tokens_of(gen) == (reference, "length")
+    await asyncio.wait_for(gen.task, 10)
+    for inst in (p.inst, d.inst):
+        assert inst.pool.stats()["free"] == BLOCKS and inst.pool.stats()["in_flight"] == 0
+    assert not d.waiters and len(p.rendezvous) == 0
