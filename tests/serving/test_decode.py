@@ -182,3 +182,118 @@ async def test_a_write_mode_request_generates_the_reference_and_gives_every_bloc
     for inst in (p.inst, d.inst):
         assert inst.pool.stats()["free"] == BLOCKS and inst.pool.stats()["in_flight"] == 0
     assert not d.waiters and len(p.rendezvous) == 0
+
+
+async def test_write_blocks_nobody_prefills_come_back_as_write_failed_and_a_retryable_502() -> None:
+    """Decode offers its blocks, no prefill request claims them: at the rendezvous's ttl prefill answers
+    write_failed, and decode frees the blocks and fails the request as retryable, blaming prefill."""
+    insts = [
+        Instance(InstanceSettings(f"{role}-0", role, SMALL, BLOCKS, backend="mock", control_timeout=0.2))
+        for role in ROLES
+    ]
+    for inst in insts:
+        await inst.start()
+    try:
+        p, d = PrefillServer(insts[0]), DecodeServer(insts[1])
+        with pytest.raises(ServingError) as info:
+            await d.generate(GenerateRequest("lost", PROMPT, 2, "write", p.inst.engine_ref()))
+        err = info.value
+        assert (err.status, err.retryable, err.cause) == (502, True, "prefill")
+        assert str(err) == "prefill-0 could not write the KV: no prefill request claimed these blocks in time"
+        assert d.inst.pool.stats()["free"] == BLOCKS and d.inst.pool.stats()["in_flight"] == 0 and not d.waiters
+    finally:
+        for inst in insts:
+            await inst.close()
+
+
+async def test_an_aborted_write_request_frees_its_blocks_only_once_prefill_answered(write_pair: Pair) -> None:
+    """The proxy aborts both legs before decode asks: prefill is alive, so decode waits for its answer
+    (write_failed: the request already ended there) before its blocks go back to the pool."""
+    p, d = write_pair.prefill, write_pair.decode
+    p.abort("gone")
+    d.abort("gone")
+    with pytest.raises(ServingError) as info:
+        await d.generate(GenerateRequest("gone", PROMPT, 2, "write", p.inst.engine_ref()))
+    assert info.value.status == 502 and str(info.value).endswith("the prefill request already ended")
+    assert d.inst.pool.stats()["free"] == BLOCKS and not d.waiters
+
+
+async def test_a_second_write_request_under_a_waiting_id_is_a_409(write_pair: Pair) -> None:
+    p, d = write_pair.prefill, write_pair.decode
+    first = asyncio.create_task(d.generate(GenerateRequest("twice", PROMPT, 2, "write", p.inst.engine_ref())))
+    while "twice" not in d.waiters:  # noqa: ASYNC110 (polls decode's state: no event says it waits)
+        await asyncio.sleep(0.005)
+    with pytest.raises(ServingError) as info:
+        await d.generate(GenerateRequest("twice", PROMPT, 2, "write", p.inst.engine_ref()))
+    assert info.value.status == 409 and "already waiting for its KV" in str(info.value)
+    await p.prefill(PrefillRequest("twice", PROMPT, "write"))
+    gen, _ = await first
+    assert (await tokens_of(gen))[1] == "length"
+    await asyncio.wait_for(gen.task, 10)
+    assert d.inst.pool.stats()["free"] == BLOCKS
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens"),
+    [
+        pytest.param([], 2, id="empty-prompt"),
+        pytest.param(PROMPT, 0, id="no-tokens"),
+        pytest.param(PROMPT, SMALL.max_model_len - len(PROMPT) + 1, id="past-max_model_len"),
+    ],
+)
+async def test_a_request_that_cannot_fit_is_a_400_and_allocates_nothing(
+    mock_stand: Stand, prompt: list[int], max_tokens: int
+) -> None:
+    s = mock_stand
+    req = GenerateRequest("r", prompt, max_tokens, "read", s.ref, first_token=7, block_ids=[0, 1], layout=s.layout)
+    with pytest.raises(ServingError) as info:
+        await s.decode.generate(req)
+    assert info.value.status == 400
+    assert s.decode.inst.pool.stats()["allocated"] == 0 and s.decode.inst.pool.peak == 0
+
+
+async def test_a_request_filling_max_model_len_exactly_is_served(mock_stand: Stand) -> None:
+    s = mock_stand
+    max_tokens = SMALL.max_model_len - len(PROMPT)
+    req = GenerateRequest("r", PROMPT, max_tokens, "read", s.ref, first_token=7, block_ids=[0, 1], layout=s.layout)
+    gen, _ = await s.decode.generate(req)
+    assert s.decode.inst.pool.peak == SMALL.blocks_for(SMALL.max_model_len)
+    tokens, reason = await tokens_of(gen)
+    assert len(tokens) == max_tokens and tokens[0] == 7 and reason == "length"
+
+
+async def test_a_read_request_missing_prefills_answer_is_a_400_that_frees_its_blocks(mock_stand: Stand) -> None:
+    s = mock_stand
+    for req in (
+        GenerateRequest("r", PROMPT, 1, "read", s.ref, first_token=7, block_ids=[0, 1]),
+        GenerateRequest("r", PROMPT, 1, "read", s.ref, block_ids=[0, 1], layout=s.layout),
+        GenerateRequest("r", PROMPT, 1, "read", s.ref, first_token=7, block_ids=[0], layout=s.layout),
+    ):
+        with pytest.raises(ServingError) as info:
+            await s.decode.generate(req)
+        assert info.value.status == 400 and "READ mode needs" in str(info.value)
+        assert s.decode.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_a_full_pool_is_a_retryable_503_blaming_decode() -> None:
+    s = await stand("mock")
+    try:
+        pool = s.decode.inst.pool
+        held = pool.try_allocate(BLOCKS)
+        assert held is not None
+        settings = s.decode.inst.settings
+        object.__setattr__(settings, "admission_timeout", 0.01)  # frozen: the one deadline this test shortens
+        with pytest.raises(ServingError) as info:
+            await s.decode.generate(read_request(s, [0, 1]))
+        assert (info.value.status, info.value.retryable, info.value.cause) == (503, True, "decode")
+    finally:
+        await close(s)
+
+
+async def test_a_generation_closed_before_it_ran_still_frees_its_blocks(mock_stand: Stand) -> None:
+    s = mock_stand
+    gen, _ = await s.decode.generate(read_request(s, [0, 5]))
+    gen.close()
+    with pytest.raises(asyncio.CancelledError):
+        await gen.task
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS
