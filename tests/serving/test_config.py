@@ -67,3 +67,11 @@ def test_the_derived_deadlines_add_up_the_waits_they_cover() -> None:
     assert s.write_wait_timeout == 7.0 + 3.0 + 2 * 0.5
     proxy = ProxySettings(["p"], ["d"], SMALL, transfer_timeout=3.0, control_timeout=0.5, admission_timeout=7.0)
     assert proxy.leg_timeout == 2 * (7.0 + 3.0) + 6 * 0.5
+
+
+def test_help_groups_the_model_and_deadline_flags_and_says_what_they_mean() -> None:
+    text = " ".join(parser().format_help().split())  # argparse wraps lines at the terminal's width
+    assert "model (every process of a fleet needs the same values):" in text
+    assert "--block-size BLOCK_SIZE tokens per KV block" in text
+    assert "deadlines:" in text
+    assert "--transfer-timeout TRANSFER_TIMEOUT vLLM's transfer_timeout, seconds" in text

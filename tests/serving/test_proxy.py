@@ -4,18 +4,31 @@ is tried once more elsewhere, and counted."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 import msgspec
 import pytest
+from fastapi import FastAPI
 
 from moriio_async.serving.api import ApiError
-from moriio_async.serving.config import ProxySettings
+from moriio_async.serving.config import InstanceSettings, ProxySettings
+from moriio_async.serving.decode import create_decode_app
 from moriio_async.serving.kvpool import KVLayout
-from moriio_async.serving.messages import EngineRef, ErrorBody, InstanceHealth, PrefillResponse, TransferStats
-from moriio_async.serving.model import ModelConfig
-from moriio_async.serving.proxy import Proxy
+from moriio_async.serving.messages import (
+    AbortRequest,
+    EngineRef,
+    ErrorBody,
+    InstanceHealth,
+    PrefillResponse,
+    TransferStats,
+)
+from moriio_async.serving.model import Model, ModelConfig, decode_text, encode
+from moriio_async.serving.prefill import create_prefill_app
+from moriio_async.serving.proxy import Proxy, create_proxy_app
 
 SMALL = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, block_size=4, max_model_len=32)
 PREFILL = ["http://prefill-0", "http://prefill-1"]
@@ -92,3 +105,143 @@ async def test_a_retryable_failure_is_tried_on_another_instance_and_counted(body
     err, retries = await run(fake, "read")
     assert err.status == 503  # both prefill instances refused: nobody left
     assert fake.calls["/prefill"] == 2 and retries == 2
+
+
+# -- a whole fleet in one process: the apps behind an ASGI transport -------------------------------
+
+
+class Apps(httpx.AsyncBaseTransport):
+    """Routes a request to the ASGI app named by its host (``http://prefill-0`` and so on)."""
+
+    def __init__(self, apps: dict[str, FastAPI]) -> None:
+        self.transports = {host: httpx.ASGITransport(app=app) for host, app in apps.items()}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.transports[request.url.host].handle_async_request(request)
+
+
+@dataclass
+class InProcess:
+    proxy: httpx.AsyncClient
+    """The proxy app's client."""
+    apps: dict[str, FastAPI]
+    instances: httpx.AsyncClient
+    """A client of the instances' apps, by URL."""
+
+
+@contextlib.asynccontextmanager
+async def in_process(mode: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[InProcess]:
+    """One prefill and one decode instance app, and the proxy app, all in this process and loop."""
+    apps = {
+        f"{role}-0": (create_prefill_app if role == "prefill" else create_decode_app)(
+            InstanceSettings(f"{role}-0", role, SMALL, 16, backend="mock")
+        )
+        for role in ("prefill", "decode")
+    }
+    instances = httpx.AsyncClient(transport=Apps(apps))
+    client_class = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **_kw: client_class(transport=Apps(apps)))
+    settings = ProxySettings(["http://prefill-0"], ["http://decode-0"], SMALL, mode=mode)  # type: ignore[arg-type]
+    proxy_app = create_proxy_app(settings)
+    async with contextlib.AsyncExitStack() as stack:
+        for app in apps.values():
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        await stack.enter_async_context(proxy_app.router.lifespan_context(proxy_app))
+        monkeypatch.undo()
+        proxy = await stack.enter_async_context(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy_app), base_url="http://proxy")
+        )
+        await stack.enter_async_context(instances)
+        yield InProcess(proxy, apps, instances)
+
+
+def reference(prompt: str, max_tokens: int) -> str:
+    return decode_text(Model(SMALL).generate(encode(prompt), max_tokens))
+
+
+async def pools_whole(fleet: InProcess) -> None:
+    for url in ("http://prefill-0", "http://decode-0"):
+        health = msgspec.json.decode((await fleet.instances.get(f"{url}/health")).content, type=InstanceHealth)
+        assert health.blocks["free"] == 16 and health.blocks["in_flight"] == 0, health
+        assert health.requests_in_flight == 0
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_completion_through_the_proxy_is_the_reference_and_reports_its_kv_transfer(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with in_process(mode, monkeypatch) as fleet:
+        body = {"model": SMALL.name, "prompt": "hello there", "max_tokens": 5}
+        resp = await fleet.proxy.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        assert answer["choices"][0]["text"] == reference("hello there", 5)
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["model"] == SMALL.name
+        assert answer["usage"] == {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+        kv = answer["kv_transfer"]
+        blocks = SMALL.blocks_for(12)
+        assert (kv["attempts"], kv["mode"], kv["prefill"], kv["decode"]) == (
+            1, mode, "http://prefill-0", "http://decode-0"
+        )  # fmt: skip
+        assert kv["bytes"] == SMALL.n_layers * 2 * blocks * SMALL.block_bytes
+        assert kv["transfer_s"] > 0 and kv["prefill_compute_s"] > 0
+        assert 0 <= kv["exposed_s"] < 60  # a duration, not a clock reading
+        await pools_whole(fleet)
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_streamed_completion_is_the_reference_chunk_by_chunk_then_usage_and_done(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with in_process(mode, monkeypatch) as fleet:
+        body = {
+            "model": SMALL.name, "prompt": "stream", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        resp = await fleet.proxy.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        chunks = [msgspec.json.decode(e) for e in events[:-1]]
+        texts = [c["choices"][0]["text"] for c in chunks[:4]]
+        assert "".join(texts) == reference("stream", 4) and all(len(t) == 1 for t in texts)
+        last, usage = chunks[4], chunks[5]
+        assert last["choices"][0]["finish_reason"] == "length" and last["kv_transfer"]["mode"] == mode
+        assert usage["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+        assert len(chunks) == 6 and len({c["id"] for c in chunks}) == 1
+        await pools_whole(fleet)
+
+
+async def test_the_proxy_lists_its_model_and_its_instances_and_counts_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with in_process("write", monkeypatch) as fleet:
+        models = (await fleet.proxy.get("/v1/models")).json()
+        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(SMALL.name, SMALL.max_model_len)]
+        health = await fleet.proxy.get("/health")
+        assert health.status_code == 200 and health.json()["ready"] is True and health.json()["mode"] == "write"
+        assert [(i["url"], i["healthy"]) for i in health.json()["instances"]] == [
+            ("http://prefill-0", True), ("http://decode-0", True)
+        ]  # fmt: skip
+        bad = await fleet.proxy.post("/v1/completions", json={"model": "other", "prompt": "x"})
+        assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+        ok = await fleet.proxy.post("/v1/completions", json={"model": SMALL.name, "prompt": "x", "max_tokens": 1})
+        assert ok.status_code == 200
+        metrics = (await fleet.proxy.get("/metrics")).text
+        assert 'status="404"} 1.0' in metrics and 'status="200"} 1.0' in metrics
+        assert "requests_in_flight 0.0" in metrics
+        served = {i["url"]: i["served"] for i in (await fleet.proxy.get("/health")).json()["instances"]}
+        assert served == {"http://prefill-0": 1, "http://decode-0": 1}
+
+
+async def test_an_instance_app_answers_serving_errors_as_an_error_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with in_process("write", monkeypatch) as fleet:
+        bad = await fleet.instances.post("http://decode-0/generate", content=b"{}")
+        assert bad.status_code == 400 and msgspec.json.decode(bad.content, type=ErrorBody).error.startswith(
+            "bad GenerateRequest"
+        )
+        bad = await fleet.instances.post("http://prefill-0/prefill", content=b"[1]")
+        assert bad.status_code == 400 and "bad PrefillRequest" in bad.json()["error"]
+        ok = await fleet.instances.post("http://prefill-0/abort", content=msgspec.json.encode(AbortRequest("x")))
+        assert ok.status_code == 200 and ok.json() == {"ok": True}
+        assert (await fleet.instances.get("http://decode-0/metrics")).status_code == 200
