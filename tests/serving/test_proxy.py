@@ -50,10 +50,22 @@ class Fake:
     def __init__(self, fail: str, status: int, body: bytes) -> None:
         self.fail, self.status, self.body = fail, status, body
         self.calls: Counter[str] = Counter()
+        self.aborts: list[tuple[str, AbortRequest, object]] = []
+        self.abort_error: httpx.HTTPError | None = None
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         self.calls[path] += 1
+        if path == "/abort":
+            self.aborts.append(
+                (
+                    request.url.host,
+                    msgspec.json.decode(request.content, type=AbortRequest),
+                    request.extensions["timeout"],
+                )
+            )
+            if self.abort_error is not None:
+                raise self.abort_error
         if path == "/health":
             return httpx.Response(200, content=health(str(request.url).removesuffix("/health")))
         if path == self.fail:
@@ -245,3 +257,20 @@ async def test_an_instance_app_answers_serving_errors_as_an_error_body(monkeypat
         ok = await fleet.instances.post("http://prefill-0/abort", content=msgspec.json.encode(AbortRequest("x")))
         assert ok.status_code == 200 and ok.json() == {"ok": True}
         assert (await fleet.instances.get("http://decode-0/metrics")).status_code == 200
+
+
+@pytest.mark.parametrize("abort_fails", [False, True], ids=["abort-answered", "abort-unreachable"])
+async def test_a_failed_decode_leg_tells_the_prefill_instance_to_give_up_on_its_lent_blocks(abort_fails: bool) -> None:
+    """READ mode: prefill lent its blocks, decode refused the request: prefill hears /abort for that request id,
+    bounded by the leg's deadlines; an abort that cannot be delivered does not change the answer."""
+    fake = Fake("/generate", 400, error(False))
+    if abort_fails:
+        fake.abort_error = httpx.ConnectError("refused")
+    err, _ = await run(fake, "read")
+    assert err.status == 502
+    settings = ProxySettings(PREFILL, DECODE, SMALL)
+    timeout = {"connect": settings.control_timeout, "read": settings.leg_timeout}
+    timeout |= {"write": settings.leg_timeout, "pool": settings.leg_timeout}
+    assert len(fake.aborts) == 1
+    host, body, sent_timeout = fake.aborts[0]
+    assert host.startswith("prefill-") and body == AbortRequest("cmpl-1-0") and sent_timeout == timeout
