@@ -4,6 +4,7 @@ is tried once more elsewhere, and counted."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -14,7 +15,7 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
-from moriio_async.serving.api import ApiError
+from moriio_async.serving.api import ApiError, CompletionRequest
 from moriio_async.serving.config import InstanceSettings, ProxySettings
 from moriio_async.serving.decode import create_decode_app
 from moriio_async.serving.kvpool import KVLayout
@@ -274,3 +275,107 @@ async def test_a_failed_decode_leg_tells_the_prefill_instance_to_give_up_on_its_
     assert len(fake.aborts) == 1
     host, body, sent_timeout = fake.aborts[0]
     assert host.startswith("prefill-") and body == AbortRequest("cmpl-1-0") and sent_timeout == timeout
+
+
+def test_a_request_must_name_the_model_and_fit_in_its_context() -> None:
+    proxy = Proxy(ProxySettings(PREFILL, DECODE, SMALL), httpx.AsyncClient())
+    prompt = "x" * 10  # 11 tokens with BOS
+    assert proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=None)) == (encode(prompt), 16)
+    assert proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=21))[1] == 21  # 32 exactly
+    with pytest.raises(ApiError) as info:
+        proxy.check(CompletionRequest(model="gpt", prompt=prompt))
+    err = info.value
+    assert (err.status, err.param, err.code, str(err)) == (
+        404,
+        "model",
+        "model_not_found",
+        "The model `gpt` does not exist.",
+    )
+    with pytest.raises(ApiError) as info:
+        proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=22))
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")
+    assert str(err) == (
+        "This model's maximum context length is 32 tokens. However, you requested 33 tokens "
+        "(11 in the prompt, 22 in the completion)."
+    )
+    for prompt in ("y" * 31, "y" * 40):  # the prompt alone fills the context: it is the prompt's fault
+        with pytest.raises(ApiError) as info:
+            proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=1))
+        assert info.value.param == "prompt"
+    with pytest.raises(ApiError) as info:
+        proxy.check(CompletionRequest(model=SMALL.name, prompt="y" * 30, max_tokens=2))
+    assert info.value.param == "max_tokens"
+
+
+async def open_with(handler: httpx.MockTransport, mode: str = "read") -> tuple[Proxy, ApiError, Counter[str]]:
+    """``Proxy.open`` over instances answered by ``handler``: the error it ends with, and retries by blamed role."""
+    async with httpx.AsyncClient(transport=handler) as client:
+        proxy = Proxy(ProxySettings(PREFILL, DECODE, SMALL, mode=mode, max_attempts=3), client)  # type: ignore[arg-type]
+        await proxy.fleet.check_all()
+        with pytest.raises(ApiError) as info:
+            await proxy.open([1, 2, 3, 4, 5], 2, "cmpl-1")
+        retries = Counter(
+            {
+                s.labels["reason"]: s.value
+                for m in proxy.metrics.retries.collect()
+                for s in m.samples
+                if s.name.endswith("_total")
+            }
+        )
+        return proxy, info.value, retries
+
+
+async def test_a_retryable_failure_blames_the_instance_its_error_names() -> None:
+    """Prefill refuses because of decode (``cause``): the decode instance is left out, not the prefill one."""
+    fake = Fake("/prefill", 503, error(True, "decode"))
+    proxy, err, retries = await open_with(httpx.MockTransport(fake))
+    assert err.status == 503 and err.code == "no_healthy_instance"
+    assert str(err).endswith("; no healthy decode instance") and str(err).count("refused") == 2
+    assert fake.calls["/prefill"] == 2 and retries == Counter({"decode": 2})
+    assert all(e.healthy and e.in_flight == 0 for e in proxy.fleet.endpoints), "blamed is not down"
+
+
+@pytest.mark.parametrize("broken", ["transport", "body"])
+async def test_a_prefill_instance_that_cannot_answer_is_marked_down_and_avoided(broken: str) -> None:
+    fake = Fake("", 0, b"")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/prefill":
+            fake.calls["/prefill"] += 1
+            if broken == "transport":
+                raise httpx.ConnectError("connection refused")
+            return httpx.Response(200, content=b"{not json")
+        return fake(request)
+
+    proxy, err, retries = await open_with(httpx.MockTransport(handler))
+    assert err.status == 503 and str(err).endswith("; no healthy prefill instance")
+    assert fake.calls["/prefill"] == 2 and retries == Counter({"prefill": 2})
+    kind = "ConnectError: connection refused" if broken == "transport" else "DecodeError"
+    for ep in proxy.fleet.of("prefill"):
+        assert not ep.healthy and kind in ep.reason and ep.in_flight == 0
+    assert all(e.healthy and e.in_flight == 0 for e in proxy.fleet.of("decode"))
+
+
+async def test_write_mode_aborts_the_leg_still_running_when_the_other_failed() -> None:
+    """WRITE mode runs both legs at once: decode fails at once, so prefill (still waiting for decode's blocks)
+    is told to give up; its answer to that is the attempt's error, and the next attempt runs elsewhere."""
+    fake = Fake("/generate", 503, error(True, "decode"))
+    aborted: dict[str, asyncio.Event] = {}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/prefill":
+            fake.calls[path] += 1
+            await aborted.setdefault(msgspec.json.decode(request.content)["request_id"], asyncio.Event()).wait()
+            return httpx.Response(504, content=error(True, "decode"))
+        if path == "/abort":
+            aborted.setdefault(msgspec.json.decode(request.content)["request_id"], asyncio.Event()).set()
+        return fake(request)
+
+    proxy, err, retries = await open_with(httpx.MockTransport(handler), "write")
+    assert err.status == 503 and retries == Counter({"decode": 2})
+    assert {body.request_id for _, body, _ in fake.aborts} == {"cmpl-1-0", "cmpl-1-1"}
+    assert all(host.startswith("prefill-") for host, _, _ in fake.aborts)
+    assert fake.calls["/prefill"] == fake.calls["/generate"] == 2
+    assert all(e.in_flight == 0 for e in proxy.fleet.endpoints)
