@@ -297,3 +297,40 @@ async def test_a_generation_closed_before_it_ran_still_frees_its_blocks(mock_sta
     with pytest.raises(asyncio.CancelledError):
         await gen.task
     assert s.decode.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_an_abort_while_waiting_for_a_prefill_that_died_frees_the_blocks_at_once() -> None:
+    """Prefill took decode's blocks and died; the proxy's abort wakes decode, which finds prefill gone and
+    fails the request instead of waiting out its write wait (50 s here)."""
+    insts = [Instance(InstanceSettings(f"{role}-0", role, SMALL, BLOCKS, backend="mock")) for role in ROLES]
+    for inst in insts:
+        await inst.start()
+    try:
+        p, d = PrefillServer(insts[0]), DecodeServer(insts[1])
+        waiting = asyncio.create_task(d.generate(GenerateRequest("w", PROMPT, 2, "write", p.inst.engine_ref())))
+        while len(p.rendezvous) == 0:  # noqa: ASYNC110 (polls prefill's state: remote_blocks arrived)
+            await asyncio.sleep(0.005)
+        await p.inst.close()
+        d.abort("w")
+        with pytest.raises(ServingError) as info:
+            await asyncio.wait_for(waiting, 10)
+        assert info.value.status == 502 and str(info.value).endswith("prefill-0 is gone")
+        assert d.inst.pool.stats()["free"] == BLOCKS and not d.waiters
+    finally:
+        await insts[1].close()
+
+
+async def test_aborts_are_remembered_for_a_write_wait_and_at_most_four_per_block(mock_stand: Stand) -> None:
+    """An abort may come before its request, so decode remembers it: for one write wait, and a bounded number."""
+    d = mock_stand.decode
+    settings = d.inst.settings
+    for name in ("admission_timeout", "transfer_timeout", "control_timeout"):
+        object.__setattr__(settings, name, 0.01)  # frozen: a write wait of 0.04 s
+    d.abort("old")
+    await asyncio.sleep(4 * settings.write_wait_timeout)
+    d.abort("mid")
+    d.abort("new")
+    assert set(d.aborted) == {"mid", "new"}
+    for i in range(5 * BLOCKS):
+        d.abort(f"r{i}")
+    assert len(d.aborted) == 4 * BLOCKS and "r0" in d.aborted and f"r{5 * BLOCKS - 1}" not in d.aborted
