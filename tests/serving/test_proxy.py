@@ -379,3 +379,21 @@ async def test_write_mode_aborts_the_leg_still_running_when_the_other_failed() -
     assert all(host.startswith("prefill-") for host, _, _ in fake.aborts)
     assert fake.calls["/prefill"] == fake.calls["/generate"] == 2
     assert all(e.in_flight == 0 for e in proxy.fleet.endpoints)
+
+
+@pytest.mark.parametrize("status", [500, 503])
+async def test_a_5xx_without_an_error_body_is_retried_blaming_the_instance_that_answered(status: int) -> None:
+    fake = Fake("/prefill", status, b"<html>oops</html>")
+    proxy, err, retries = await open_with(httpx.MockTransport(fake))
+    assert err.status == 503 and retries == Counter({"prefill": 2}) and fake.calls["/prefill"] == 2
+    for url in PREFILL:
+        assert f"prefill {url} answered {status}" in str(err)
+    assert all(e.healthy for e in proxy.fleet.endpoints)
+
+
+@pytest.mark.parametrize("cause", ["prefill", ""], ids=["own-cause", "no-cause"])
+async def test_an_error_body_naming_no_other_instance_blames_the_one_that_answered(cause: str) -> None:
+    fake = Fake("/prefill", 503, error(True, cause))
+    _, err, retries = await open_with(httpx.MockTransport(fake))
+    assert err.status == 503 and str(err).endswith("; no healthy prefill instance")
+    assert retries == Counter({"prefill": 2}) and fake.calls["/prefill"] == 2
