@@ -151,6 +151,7 @@ async def test_the_fleet_polls_every_interval_until_closed() -> None:
         await fleet.close()  # never started: nothing to stop
         await fleet.start()
         assert len(calls) == 4 and fleet.ready()  # start checks every instance before it returns
+        assert "fleet health" in {t.get_name() for t in asyncio.all_tasks()}  # named in a dump of the tasks
         await asyncio.wait_for(three_rounds.wait(), 10)
         await fleet.close()
         polled = len(calls)
