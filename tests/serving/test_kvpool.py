@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -294,3 +295,16 @@ async def test_rendezvous_expiry_hands_back_only_blocks_nobody_claimed() -> None
     assert rv.deliver(blocks_msg("kept")) == ""
     await asyncio.sleep(0.1)
     assert orphans == [("kept", "no prefill request claimed these blocks in time")] and len(rv) == 0
+
+
+async def test_rendezvous_blocks_delivered_as_the_ttl_ends_go_to_the_waiting_claim_and_nowhere_else() -> None:
+    """Delivery and the slot's ttl come due in one turn of the loop, delivery first: the claim already waits
+    for these blocks, so they are its own; handing them back too would let decode reuse blocks prefill writes."""
+    orphans: list[str] = []
+    rv = Rendezvous(ttl=0.05, limit=8, on_orphan=lambda m, why: orphans.append(why))
+    claim = asyncio.create_task(rv.claim("r", 5))
+    await asyncio.sleep(0)  # the claim made the slot and its ttl timer
+    asyncio.get_running_loop().call_later(0.01, rv.deliver, blocks_msg("r"))
+    time.sleep(0.1)  # noqa: ASYNC251 (holds the loop so both timers are due in one turn)
+    assert (await claim).request_id == "r"
+    assert orphans == [] and len(rv) == 0
