@@ -60,6 +60,13 @@ def test_flight_marks_nest() -> None:
     assert p.in_flight_blocks == 1
     p.end_flight(ids[:1])
     assert p.in_flight_blocks == 0
+    for _ in range(3):
+        p.begin_flight(ids[:1])
+    p.end_flight(ids[:1])
+    p.end_flight(ids[:1])
+    assert p.in_flight_blocks == 1, "three marks need three ends"
+    p.end_flight(ids[:1])
+    assert p.in_flight_blocks == 0
 
 
 async def test_allocate_waits_for_a_free_then_gives_up() -> None:
@@ -112,7 +119,7 @@ def test_check_blocks() -> None:
     layout = KVLayout(2, 8, 64)
     layout.check_blocks([0, 7])
     for bad in ([8], [-1], [1, 1]):
-        with pytest.raises(ValueError, match="distinct"):
+        with pytest.raises(ValueError, match=r"^block ids must be distinct and within 0\.\.7$"):
             layout.check_blocks(bad)
 
 
