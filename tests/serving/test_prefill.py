@@ -200,3 +200,19 @@ async def test_release_from_the_reader_ends_the_lease_and_a_second_read_of_one_i
     while s.server.leases:  # noqa: ASYNC110 (polls the server's state: no event says a lease ended)
         await asyncio.sleep(0.005)
     assert pool.stats()["free"] == BLOCKS and pool.stats()["in_flight"] == 0
+
+
+async def test_writes_that_cannot_be_posted_are_a_retryable_502_naming_why_and_write_failed(stand: Stand) -> None:
+    """Decode's layout claims more blocks than its registered cache holds: each layer's post is refused
+    (outside the peer's region), the request fails naming the refusal, and decode hears write_failed."""
+    s = stand
+    too_big = KVLayout(SMALL.n_layers, 4 * BLOCKS, SMALL.block_bytes)
+    assert s.server.rendezvous.deliver(RemoteBlocks("w", [4 * BLOCKS - 2, 4 * BLOCKS - 1], too_big, s.ref)) == ""
+    with pytest.raises(ServingError) as info:
+        await s.server.prefill(PrefillRequest("w", PROMPT, "write"))
+    err = info.value
+    assert (err.status, err.retryable, err.cause) == (502, True, "decode")
+    assert str(err).startswith("posting the KV writes failed: [") and "None" not in str(err)
+    note = await s.note()
+    assert isinstance(note, WriteFailed) and note.error.startswith("PeerUnavailable: posting the KV writes failed")
+    assert not s.cache.any() and s.server.inst.pool.stats()["free"] == BLOCKS
