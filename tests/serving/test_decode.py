@@ -70,6 +70,12 @@ async def close(s: Stand) -> None:
     await s.prefill.close()
 
 
+def sample(s: Stand, counter: str, op: str) -> float:
+    """A decode instance's transfer counter, by op."""
+    name = "moriio_transfer_bytes_total" if counter == "bytes" else f"moriio_transfers_{counter}_total"
+    return s.decode.inst.metrics.registry.get_sample_value(name, {"op": op}) or 0.0
+
+
 def read_request(s: Stand, block_ids: list[int], request_id: str = "r1") -> GenerateRequest:
     return GenerateRequest(request_id, PROMPT, 1, "read", s.ref, first_token=7, block_ids=block_ids, layout=s.layout)
 
@@ -106,6 +112,14 @@ async def test_a_read_naming_a_block_outside_prefills_pool_or_twice_is_refused_a
     gen, stats = await s.decode.generate(read_request(s, [0, 5], "r2"))
     await asyncio.wait_for(gen.task, 10)
     assert stats.bytes == SMALL.n_layers * 2 * 2 * SMALL.block_bytes
+    counts = {name: sample(s, name, "read") for name in ("started", "succeeded", "failed", "timed_out", "bytes")}
+    assert counts == {
+        "started": 2,
+        "succeeded": 2,
+        "failed": 0,
+        "timed_out": 0,
+        "bytes": stats.bytes,
+    }  # a batch a layer
     assert (pool.array[:, :, :2].view(np.uint8) == 0xA5).all()
 
 
@@ -118,7 +132,9 @@ async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() 
         pool = s.decode.inst.pool
         with pytest.raises(ServingError) as info:
             await s.decode.generate(read_request(s, [0, 1]))
-        assert info.value.status == 502 and "failed" in str(info.value)
+        assert (info.value.status, info.value.cause) == (502, "prefill") and "failed" in str(info.value)
+        assert sample(s, "timed_out", "read") >= 1, "the stalled read is counted as past its deadline"
+        assert sample(s, "timed_out", "read") + sample(s, "succeeded", "read") == sample(s, "started", "read") == 2
         assert [a.action for a in hooks.applied] == [Action.STALL]  # the stall held the read, not a refusal
         # Prefill hears release also after a failed read: its lease ends now, not at its timeout.
         note = await s.prefill.recv_notification(timeout=10)
@@ -271,7 +287,7 @@ async def test_a_read_request_missing_prefills_answer_is_a_400_that_frees_its_bl
     ):
         with pytest.raises(ServingError) as info:
             await s.decode.generate(req)
-        assert info.value.status == 400 and "READ mode needs" in str(info.value)
+        assert info.value.status == 400 and str(info.value).startswith("READ mode needs prefill's layout")
         assert s.decode.inst.pool.stats()["free"] == BLOCKS
 
 
@@ -334,3 +350,15 @@ async def test_aborts_are_remembered_for_a_write_wait_and_at_most_four_per_block
     for i in range(5 * BLOCKS):
         d.abort(f"r{i}")
     assert len(d.aborted) == 4 * BLOCKS and "r0" in d.aborted and f"r{5 * BLOCKS - 1}" not in d.aborted
+
+
+async def test_a_read_from_a_prefill_instance_nobody_answers_for_is_a_retryable_502_blaming_prefill(
+    mock_stand: Stand,
+) -> None:
+    s = mock_stand
+    gone = EngineRef("prefill-9", "127.0.0.1:9", 1)  # nothing listens on the discard port
+    req = GenerateRequest("r", PROMPT, 1, "read", gone, first_token=7, block_ids=[0, 1], layout=s.layout)
+    with pytest.raises(ServingError) as info:
+        await s.decode.generate(req)
+    assert (info.value.status, info.value.retryable, info.value.cause) == (502, True, "prefill")
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS

@@ -136,6 +136,9 @@ async def test_a_write_lands_each_block_where_decode_asked_and_write_done_carrie
     assert not np.delete(s.cache, [9, 3], axis=2).any()
     assert answer.stats.bytes == SMALL.n_layers * 2 * 2 * SMALL.block_bytes and answer.stats.transfer_s > 0
     assert s.server.inst.pool.stats()["free"] == BLOCKS and s.server.inst.requests_served == 1
+    registry = s.server.inst.metrics.registry
+    for name, value in (("transfers_started", 2), ("transfers_succeeded", 2), ("transfer_bytes", answer.stats.bytes)):
+        assert registry.get_sample_value(f"moriio_{name}_total", {"op": "write"}) == value  # a batch a layer
 
 
 @pytest.mark.parametrize(
