@@ -8,6 +8,7 @@ up in the decode pool's bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ from moriio_async.serving.kvpool import KVLayout
 from moriio_async.serving.messages import (
     EngineRef,
     GenerateRequest,
+    Mode,
     PrefillRequest,
     Release,
+    RemoteBlocks,
     TokenLine,
     control_decoder,
 )
@@ -112,6 +115,7 @@ async def test_a_read_naming_a_block_outside_prefills_pool_or_twice_is_refused_a
     gen, stats = await s.decode.generate(read_request(s, [0, 5], "r2"))
     await asyncio.wait_for(gen.task, 10)
     assert stats.bytes == SMALL.n_layers * 2 * 2 * SMALL.block_bytes
+    assert stats.exposed_s == stats.transfer_s > 0  # READ: the reads are all of the handoff
     counts = {name: sample(s, name, "read") for name in ("started", "succeeded", "failed", "timed_out", "bytes")}
     assert counts == {
         "started": 2,
@@ -352,13 +356,33 @@ async def test_aborts_are_remembered_for_a_write_wait_and_at_most_four_per_block
     assert len(d.aborted) == 4 * BLOCKS and "r0" in d.aborted and f"r{5 * BLOCKS - 1}" not in d.aborted
 
 
-async def test_a_read_from_a_prefill_instance_nobody_answers_for_is_a_retryable_502_blaming_prefill(
-    mock_stand: Stand,
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_prefill_instance_nobody_answers_for_is_a_retryable_502_blaming_prefill(
+    mock_stand: Stand, mode: Mode
 ) -> None:
     s = mock_stand
     gone = EngineRef("prefill-9", "127.0.0.1:9", 1)  # nothing listens on the discard port
-    req = GenerateRequest("r", PROMPT, 1, "read", gone, first_token=7, block_ids=[0, 1], layout=s.layout)
+    req = GenerateRequest("r", PROMPT, 1, mode, gone, first_token=7, block_ids=[0, 1], layout=s.layout)
     with pytest.raises(ServingError) as info:
         await s.decode.generate(req)
     assert (info.value.status, info.value.retryable, info.value.cause) == (502, True, "prefill")
     assert s.decode.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_a_prefill_that_lives_but_never_answers_fails_the_request_after_two_write_waits(
+    mock_stand: Stand, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill (a bare engine here) takes remote_blocks and says nothing: decode waits a write wait, finds it
+    alive, waits one more, then gives up with write_failed of its own, logs it, and frees its blocks."""
+    s = mock_stand
+    for name, value in (("admission_timeout", 0.02), ("transfer_timeout", 0.02), ("control_timeout", 0.5)):
+        object.__setattr__(s.decode.inst.settings, name, value)  # frozen: a write wait of 1.04 s
+    caplog.set_level(logging.ERROR, logger="moriio_async.serving")
+    with pytest.raises(ServingError) as info:
+        await asyncio.wait_for(s.decode.generate(GenerateRequest("w", PROMPT, 2, "write", s.ref)), 10)
+    assert (info.value.status, info.value.cause) == (502, "prefill")
+    assert str(info.value) == "prefill-0 could not write the KV: prefill-0 never answered"
+    assert [r.getMessage() for r in caplog.records] == ["decode-0: prefill-0 never answered for w"]
+    offer = control_decoder().decode((await s.prefill.recv_notification(timeout=10)).data)
+    assert isinstance(offer, RemoteBlocks) and offer.request_id == "w" and len(offer.block_ids) == 2
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS and not s.decode.waiters

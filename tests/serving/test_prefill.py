@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -34,7 +35,9 @@ BLOCKS = 16
 PROMPT = [1, 2, 3, 4, 5]  # two blocks of 4 tokens
 
 
-async def test_lent_blocks_are_held_for_the_lease_timeout_then_go_back_to_the_pool() -> None:
+async def test_lent_blocks_are_held_for_the_lease_timeout_then_go_back_to_the_pool(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A lease outlives every control deadline (a reader may take its whole transfer deadline, then abort);
     one never released expires after ``lease_timeout``, never before, and its blocks are free again."""
     settings = InstanceSettings(
@@ -56,6 +59,8 @@ async def test_lent_blocks_are_held_for_the_lease_timeout_then_go_back_to_the_po
             await asyncio.sleep(0.02)
         assert loop.time() - lent_at >= settings.lease_timeout
         assert inst.pool.stats()["free"] == BLOCKS and "r" not in server.leases
+        warned = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "moriio_async.serving"]
+        assert (logging.WARNING, "prefill-0: blocks of r never released; lease expired") in warned
     finally:
         await inst.close()
 
