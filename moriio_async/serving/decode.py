@@ -73,6 +73,8 @@ class Generation:
         self.queue: asyncio.Queue[int] = asyncio.Queue()
         self.finish_reason = "error"
         self.task = inst.spawn(self._run(), name=f"generate {req.request_id}")
+        # Not a finally in _run: a task cancelled before its first step never enters its body.
+        self.task.add_done_callback(self._ended)
 
     async def _run(self) -> None:
         inst, req = self.inst, self.req
@@ -86,9 +88,10 @@ class Generation:
             self.finish_reason = "length"
         except Exception:
             log.exception("%s: generation of %s failed", inst.settings.name, req.request_id)
-        finally:
-            inst.pool.free(self.blocks)
-            self.queue.put_nowait(_END)
+
+    def _ended(self, _task: asyncio.Task[None]) -> None:
+        self.inst.pool.free(self.blocks)
+        self.queue.put_nowait(_END)
 
     async def lines(self) -> AsyncIterator[bytes]:
         encoder = msgspec.json.Encoder()

@@ -133,12 +133,15 @@ class PrefillServer:
             if isinstance(exc, ValueError):
                 raise ServingError(400, str(exc)) from exc
             raise
+        computed = stats.exposed_s
+        # Decode's figure (its x-kv-* headers) runs until write_done leaves: a duration, never our start time.
+        stats.exposed_s = time.perf_counter() - computed
         try:
             await inst.notify(remote.decode, WriteDone(req.request_id, first, stats))
         except (MoriioError, OSError, TimeoutError) as exc:
             raise PeerUnavailable(f"write_done not delivered: {exc}", cause="decode") from exc
         # What the proxy hears includes sending write_done: decode waits for it, not for the bytes.
-        stats.exposed_s = time.perf_counter() - stats.exposed_s
+        stats.exposed_s = time.perf_counter() - computed
         return first, stats, remote
 
     async def _compute_and_write(

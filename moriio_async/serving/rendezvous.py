@@ -59,10 +59,13 @@ class Rendezvous:
         return slot
 
     def _expire(self, request_id: str) -> None:
-        slot = self._slots.pop(request_id, None)
+        slot = self._slots.get(request_id)
         if slot is None:
             return
         blocks = slot.blocks()
+        if slot.claimed and blocks is not None:
+            return  # a waiting claim has them and has yet to resume: they are its own (it drops the slot)
+        del self._slots[request_id]
         if blocks is not None:
             self.on_orphan(blocks, "no prefill request claimed these blocks in time")
         slot.tombstone("expired")

@@ -8,27 +8,40 @@ up in the decode pool's bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 
 from moriio_async import IOEngine, IOEngineConfig, TcpOptions
 from moriio_async.backends.tcp import PlanHooks
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
-from moriio_async.serving.config import InstanceSettings
-from moriio_async.serving.decode import DecodeServer
+from moriio_async.serving.config import InstanceSettings, Role
+from moriio_async.serving.decode import DecodeServer, Generation
 from moriio_async.serving.instance import Instance, ServingError
 from moriio_async.serving.kvpool import KVLayout
-from moriio_async.serving.messages import EngineRef, GenerateRequest, Release, control_decoder
-from moriio_async.serving.model import Model, ModelConfig
+from moriio_async.serving.messages import (
+    EngineRef,
+    GenerateRequest,
+    Mode,
+    PrefillRequest,
+    Release,
+    RemoteBlocks,
+    TokenLine,
+    control_decoder,
+)
+from moriio_async.serving.model import Model, ModelConfig, encode
+from moriio_async.serving.prefill import PrefillServer
 
 pytestmark = pytest.mark.timeout(60)
 
 SMALL = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, block_size=4, max_model_len=32)
 BLOCKS = 16
 PROMPT = [1, 2, 3, 4, 5]  # two blocks of 4 tokens
+ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 
 @dataclass
@@ -58,6 +71,12 @@ async def stand(backend: str, *, transfer_timeout: float = 10.0, hooks: PlanHook
 async def close(s: Stand) -> None:
     await s.decode.inst.close()
     await s.prefill.close()
+
+
+def sample(s: Stand, counter: str, op: str) -> float:
+    """A decode instance's transfer counter, by op."""
+    name = "moriio_transfer_bytes_total" if counter == "bytes" else f"moriio_transfers_{counter}_total"
+    return s.decode.inst.metrics.registry.get_sample_value(name, {"op": op}) or 0.0
 
 
 def read_request(s: Stand, block_ids: list[int], request_id: str = "r1") -> GenerateRequest:
@@ -96,6 +115,15 @@ async def test_a_read_naming_a_block_outside_prefills_pool_or_twice_is_refused_a
     gen, stats = await s.decode.generate(read_request(s, [0, 5], "r2"))
     await asyncio.wait_for(gen.task, 10)
     assert stats.bytes == SMALL.n_layers * 2 * 2 * SMALL.block_bytes
+    assert stats.exposed_s == stats.transfer_s > 0  # READ: the reads are all of the handoff
+    counts = {name: sample(s, name, "read") for name in ("started", "succeeded", "failed", "timed_out", "bytes")}
+    assert counts == {
+        "started": 2,
+        "succeeded": 2,
+        "failed": 0,
+        "timed_out": 0,
+        "bytes": stats.bytes,
+    }  # a batch a layer
     assert (pool.array[:, :, :2].view(np.uint8) == 0xA5).all()
 
 
@@ -108,7 +136,9 @@ async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() 
         pool = s.decode.inst.pool
         with pytest.raises(ServingError) as info:
             await s.decode.generate(read_request(s, [0, 1]))
-        assert info.value.status == 502 and "failed" in str(info.value)
+        assert (info.value.status, info.value.cause) == (502, "prefill") and "failed" in str(info.value)
+        assert sample(s, "timed_out", "read") >= 1, "the stalled read is counted as past its deadline"
+        assert sample(s, "timed_out", "read") + sample(s, "succeeded", "read") == sample(s, "started", "read") == 2
         assert [a.action for a in hooks.applied] == [Action.STALL]  # the stall held the read, not a refusal
         # Prefill hears release also after a failed read: its lease ends now, not at its timeout.
         note = await s.prefill.recv_notification(timeout=10)
@@ -126,3 +156,233 @@ async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() 
     finally:
         hooks.release()
         await close(s)
+
+
+# -- WRITE mode: a prefill and a decode instance in one process ----------------------------------------
+
+
+@dataclass
+class Pair:
+    prefill: PrefillServer
+    decode: DecodeServer
+
+
+@pytest.fixture
+async def write_pair() -> AsyncIterator[Pair]:
+    insts = [Instance(InstanceSettings(f"{role}-0", role, SMALL, BLOCKS, backend="mock")) for role in ROLES]
+    for inst in insts:
+        await inst.start()
+    try:
+        yield Pair(PrefillServer(insts[0]), DecodeServer(insts[1]))
+    finally:
+        for inst in insts:
+            await inst.close()
+
+
+async def tokens_of(gen: Generation) -> tuple[list[int], str]:
+    lines = [msgspec.json.decode(line, type=TokenLine) async for line in gen.lines()]
+    *tokens, end = lines
+    return [t.token for t in tokens if t.token is not None], end.finish_reason or ""
+
+
+async def test_a_write_mode_request_generates_the_reference_and_gives_every_block_back(write_pair: Pair) -> None:
+    """Prefill writes the prompt's KV into the blocks decode offered and answers write_done with the first token;
+    decode then generates token for token what one process generates. After it, both pools are whole again."""
+    p, d = write_pair.prefill, write_pair.decode
+    prompt = encode("kv by write")
+    gen_req = GenerateRequest("w1", prompt, 6, "write", p.inst.engine_ref())
+    (gen, d_stats), answer = await asyncio.gather(d.generate(gen_req), p.prefill(PrefillRequest("w1", prompt, "write")))
+    reference = Model(SMALL).generate(prompt, 6)
+    assert answer.first_token == reference[0] and answer.engine == p.inst.engine_ref()
+    n_blocks = SMALL.blocks_for(len(prompt))
+    assert d_stats.bytes == answer.stats.bytes == SMALL.n_layers * 2 * n_blocks * SMALL.block_bytes
+    assert answer.stats.compute_s > 0 and answer.stats.exposed_s >= 0
+    assert await tokens_of(gen) == (reference, "length")
+    await asyncio.wait_for(gen.task, 10)
+    for inst in (p.inst, d.inst):
+        assert inst.pool.stats()["free"] == BLOCKS and inst.pool.stats()["in_flight"] == 0
+    assert not d.waiters and len(p.rendezvous) == 0
+
+
+async def test_write_blocks_nobody_prefills_come_back_as_write_failed_and_a_retryable_502() -> None:
+    """Decode offers its blocks, no prefill request claims them: at the rendezvous's ttl prefill answers
+    write_failed, and decode frees the blocks and fails the request as retryable, blaming prefill."""
+    insts = [
+        Instance(InstanceSettings(f"{role}-0", role, SMALL, BLOCKS, backend="mock", control_timeout=0.2))
+        for role in ROLES
+    ]
+    for inst in insts:
+        await inst.start()
+    try:
+        p, d = PrefillServer(insts[0]), DecodeServer(insts[1])
+        with pytest.raises(ServingError) as info:
+            await d.generate(GenerateRequest("lost", PROMPT, 2, "write", p.inst.engine_ref()))
+        err = info.value
+        assert (err.status, err.retryable, err.cause) == (502, True, "prefill")
+        assert str(err) == "prefill-0 could not write the KV: no prefill request claimed these blocks in time"
+        assert d.inst.pool.stats()["free"] == BLOCKS and d.inst.pool.stats()["in_flight"] == 0 and not d.waiters
+    finally:
+        for inst in insts:
+            await inst.close()
+
+
+async def test_an_aborted_write_request_frees_its_blocks_only_once_prefill_answered(write_pair: Pair) -> None:
+    """The proxy aborts both legs before decode asks: prefill is alive, so decode waits for its answer
+    (write_failed: the request already ended there) before its blocks go back to the pool."""
+    p, d = write_pair.prefill, write_pair.decode
+    p.abort("gone")
+    d.abort("gone")
+    with pytest.raises(ServingError) as info:
+        await d.generate(GenerateRequest("gone", PROMPT, 2, "write", p.inst.engine_ref()))
+    assert info.value.status == 502 and str(info.value).endswith("the prefill request already ended")
+    assert d.inst.pool.stats()["free"] == BLOCKS and not d.waiters
+
+
+async def test_a_second_write_request_under_a_waiting_id_is_a_409(write_pair: Pair) -> None:
+    p, d = write_pair.prefill, write_pair.decode
+    first = asyncio.create_task(d.generate(GenerateRequest("twice", PROMPT, 2, "write", p.inst.engine_ref())))
+    while "twice" not in d.waiters:  # noqa: ASYNC110 (polls decode's state: no event says it waits)
+        await asyncio.sleep(0.005)
+    with pytest.raises(ServingError) as info:
+        await d.generate(GenerateRequest("twice", PROMPT, 2, "write", p.inst.engine_ref()))
+    assert info.value.status == 409 and "already waiting for its KV" in str(info.value)
+    await p.prefill(PrefillRequest("twice", PROMPT, "write"))
+    gen, _ = await first
+    assert (await tokens_of(gen))[1] == "length"
+    await asyncio.wait_for(gen.task, 10)
+    assert d.inst.pool.stats()["free"] == BLOCKS
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens"),
+    [
+        pytest.param([], 2, id="empty-prompt"),
+        pytest.param(PROMPT, 0, id="no-tokens"),
+        pytest.param(PROMPT, SMALL.max_model_len - len(PROMPT) + 1, id="past-max_model_len"),
+    ],
+)
+async def test_a_request_that_cannot_fit_is_a_400_and_allocates_nothing(
+    mock_stand: Stand, prompt: list[int], max_tokens: int
+) -> None:
+    s = mock_stand
+    req = GenerateRequest("r", prompt, max_tokens, "read", s.ref, first_token=7, block_ids=[0, 1], layout=s.layout)
+    with pytest.raises(ServingError) as info:
+        await s.decode.generate(req)
+    assert info.value.status == 400
+    assert s.decode.inst.pool.stats()["allocated"] == 0 and s.decode.inst.pool.peak == 0
+
+
+async def test_a_request_filling_max_model_len_exactly_is_served(mock_stand: Stand) -> None:
+    s = mock_stand
+    max_tokens = SMALL.max_model_len - len(PROMPT)
+    req = GenerateRequest("r", PROMPT, max_tokens, "read", s.ref, first_token=7, block_ids=[0, 1], layout=s.layout)
+    gen, _ = await s.decode.generate(req)
+    assert s.decode.inst.pool.peak == SMALL.blocks_for(SMALL.max_model_len)
+    tokens, reason = await tokens_of(gen)
+    assert len(tokens) == max_tokens and tokens[0] == 7 and reason == "length"
+
+
+async def test_a_read_request_missing_prefills_answer_is_a_400_that_frees_its_blocks(mock_stand: Stand) -> None:
+    s = mock_stand
+    for req in (
+        GenerateRequest("r", PROMPT, 1, "read", s.ref, first_token=7, block_ids=[0, 1]),
+        GenerateRequest("r", PROMPT, 1, "read", s.ref, block_ids=[0, 1], layout=s.layout),
+        GenerateRequest("r", PROMPT, 1, "read", s.ref, first_token=7, block_ids=[0], layout=s.layout),
+    ):
+        with pytest.raises(ServingError) as info:
+            await s.decode.generate(req)
+        assert info.value.status == 400 and str(info.value).startswith("READ mode needs prefill's layout")
+        assert s.decode.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_a_full_pool_is_a_retryable_503_blaming_decode() -> None:
+    s = await stand("mock")
+    try:
+        pool = s.decode.inst.pool
+        held = pool.try_allocate(BLOCKS)
+        assert held is not None
+        settings = s.decode.inst.settings
+        object.__setattr__(settings, "admission_timeout", 0.01)  # frozen: the one deadline this test shortens
+        with pytest.raises(ServingError) as info:
+            await s.decode.generate(read_request(s, [0, 1]))
+        assert (info.value.status, info.value.retryable, info.value.cause) == (503, True, "decode")
+    finally:
+        await close(s)
+
+
+async def test_a_generation_closed_before_it_ran_still_frees_its_blocks(mock_stand: Stand) -> None:
+    s = mock_stand
+    gen, _ = await s.decode.generate(read_request(s, [0, 5]))
+    gen.close()
+    with pytest.raises(asyncio.CancelledError):
+        await gen.task
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_an_abort_while_waiting_for_a_prefill_that_died_frees_the_blocks_at_once() -> None:
+    """Prefill took decode's blocks and died; the proxy's abort wakes decode, which finds prefill gone and
+    fails the request instead of waiting out its write wait (50 s here)."""
+    insts = [Instance(InstanceSettings(f"{role}-0", role, SMALL, BLOCKS, backend="mock")) for role in ROLES]
+    for inst in insts:
+        await inst.start()
+    try:
+        p, d = PrefillServer(insts[0]), DecodeServer(insts[1])
+        waiting = asyncio.create_task(d.generate(GenerateRequest("w", PROMPT, 2, "write", p.inst.engine_ref())))
+        while len(p.rendezvous) == 0:  # noqa: ASYNC110 (polls prefill's state: remote_blocks arrived)
+            await asyncio.sleep(0.005)
+        await p.inst.close()
+        d.abort("w")
+        with pytest.raises(ServingError) as info:
+            await asyncio.wait_for(waiting, 10)
+        assert info.value.status == 502 and str(info.value).endswith("prefill-0 is gone")
+        assert d.inst.pool.stats()["free"] == BLOCKS and not d.waiters
+    finally:
+        await insts[1].close()
+
+
+async def test_aborts_are_remembered_for_a_write_wait_and_at_most_four_per_block(mock_stand: Stand) -> None:
+    """An abort may come before its request, so decode remembers it: for one write wait, and a bounded number."""
+    d = mock_stand.decode
+    settings = d.inst.settings
+    for name in ("admission_timeout", "transfer_timeout", "control_timeout"):
+        object.__setattr__(settings, name, 0.01)  # frozen: a write wait of 0.04 s
+    d.abort("old")
+    await asyncio.sleep(4 * settings.write_wait_timeout)
+    d.abort("mid")
+    d.abort("new")
+    assert set(d.aborted) == {"mid", "new"}
+    for i in range(5 * BLOCKS):
+        d.abort(f"r{i}")
+    assert len(d.aborted) == 4 * BLOCKS and "r0" in d.aborted and f"r{5 * BLOCKS - 1}" not in d.aborted
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_prefill_instance_nobody_answers_for_is_a_retryable_502_blaming_prefill(
+    mock_stand: Stand, mode: Mode
+) -> None:
+    s = mock_stand
+    gone = EngineRef("prefill-9", "127.0.0.1:9", 1)  # nothing listens on the discard port
+    req = GenerateRequest("r", PROMPT, 1, mode, gone, first_token=7, block_ids=[0, 1], layout=s.layout)
+    with pytest.raises(ServingError) as info:
+        await s.decode.generate(req)
+    assert (info.value.status, info.value.retryable, info.value.cause) == (502, True, "prefill")
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_a_prefill_that_lives_but_never_answers_fails_the_request_after_two_write_waits(
+    mock_stand: Stand, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill (a bare engine here) takes remote_blocks and says nothing: decode waits a write wait, finds it
+    alive, waits one more, then gives up with write_failed of its own, logs it, and frees its blocks."""
+    s = mock_stand
+    for name, value in (("admission_timeout", 0.02), ("transfer_timeout", 0.02), ("control_timeout", 0.5)):
+        object.__setattr__(s.decode.inst.settings, name, value)  # frozen: a write wait of 1.04 s
+    caplog.set_level(logging.ERROR, logger="moriio_async.serving")
+    with pytest.raises(ServingError) as info:
+        await asyncio.wait_for(s.decode.generate(GenerateRequest("w", PROMPT, 2, "write", s.ref)), 10)
+    assert (info.value.status, info.value.cause) == (502, "prefill")
+    assert str(info.value) == "prefill-0 could not write the KV: prefill-0 never answered"
+    assert [r.getMessage() for r in caplog.records] == ["decode-0: prefill-0 never answered for w"]
+    offer = control_decoder().decode((await s.prefill.recv_notification(timeout=10)).data)
+    assert isinstance(offer, RemoteBlocks) and offer.request_id == "w" and len(offer.block_ids) == 2
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS and not s.decode.waiters

@@ -4,18 +4,32 @@ is tried once more elsewhere, and counted."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 import msgspec
 import pytest
+from fastapi import FastAPI
 
-from moriio_async.serving.api import ApiError
-from moriio_async.serving.config import ProxySettings
+from moriio_async.serving.api import ApiError, CompletionRequest
+from moriio_async.serving.config import InstanceSettings, ProxySettings
+from moriio_async.serving.decode import create_decode_app
 from moriio_async.serving.kvpool import KVLayout
-from moriio_async.serving.messages import EngineRef, ErrorBody, InstanceHealth, PrefillResponse, TransferStats
-from moriio_async.serving.model import ModelConfig
-from moriio_async.serving.proxy import Proxy
+from moriio_async.serving.messages import (
+    AbortRequest,
+    EngineRef,
+    ErrorBody,
+    InstanceHealth,
+    PrefillResponse,
+    TransferStats,
+)
+from moriio_async.serving.model import Model, ModelConfig, decode_text, encode
+from moriio_async.serving.prefill import create_prefill_app
+from moriio_async.serving.proxy import Proxy, create_proxy_app
 
 SMALL = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, block_size=4, max_model_len=32)
 PREFILL = ["http://prefill-0", "http://prefill-1"]
@@ -37,10 +51,22 @@ class Fake:
     def __init__(self, fail: str, status: int, body: bytes) -> None:
         self.fail, self.status, self.body = fail, status, body
         self.calls: Counter[str] = Counter()
+        self.aborts: list[tuple[str, AbortRequest, object]] = []
+        self.abort_error: httpx.HTTPError | None = None
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         self.calls[path] += 1
+        if path == "/abort":
+            self.aborts.append(
+                (
+                    request.url.host,
+                    msgspec.json.decode(request.content, type=AbortRequest),
+                    request.extensions["timeout"],
+                )
+            )
+            if self.abort_error is not None:
+                raise self.abort_error
         if path == "/health":
             return httpx.Response(200, content=health(str(request.url).removesuffix("/health")))
         if path == self.fail:
@@ -92,3 +118,282 @@ async def test_a_retryable_failure_is_tried_on_another_instance_and_counted(body
     err, retries = await run(fake, "read")
     assert err.status == 503  # both prefill instances refused: nobody left
     assert fake.calls["/prefill"] == 2 and retries == 2
+
+
+# -- a whole fleet in one process: the apps behind an ASGI transport -------------------------------
+
+
+class Apps(httpx.AsyncBaseTransport):
+    """Routes a request to the ASGI app named by its host (``http://prefill-0`` and so on)."""
+
+    def __init__(self, apps: dict[str, FastAPI]) -> None:
+        self.transports = {host: httpx.ASGITransport(app=app) for host, app in apps.items()}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.transports[request.url.host].handle_async_request(request)
+
+
+@dataclass
+class InProcess:
+    proxy: httpx.AsyncClient
+    """The proxy app's client."""
+    apps: dict[str, FastAPI]
+    instances: httpx.AsyncClient
+    """A client of the instances' apps, by URL."""
+
+
+@contextlib.asynccontextmanager
+async def in_process(mode: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[InProcess]:
+    """One prefill and one decode instance app, and the proxy app, all in this process and loop."""
+    apps = {
+        f"{role}-0": (create_prefill_app if role == "prefill" else create_decode_app)(
+            InstanceSettings(f"{role}-0", role, SMALL, 16, backend="mock")
+        )
+        for role in ("prefill", "decode")
+    }
+    instances = httpx.AsyncClient(transport=Apps(apps))
+    client_class = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **_kw: client_class(transport=Apps(apps)))
+    settings = ProxySettings(["http://prefill-0"], ["http://decode-0"], SMALL, mode=mode)  # type: ignore[arg-type]
+    proxy_app = create_proxy_app(settings)
+    async with contextlib.AsyncExitStack() as stack:
+        for app in apps.values():
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        await stack.enter_async_context(proxy_app.router.lifespan_context(proxy_app))
+        monkeypatch.undo()
+        proxy = await stack.enter_async_context(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy_app), base_url="http://proxy")
+        )
+        await stack.enter_async_context(instances)
+        yield InProcess(proxy, apps, instances)
+
+
+def reference(prompt: str, max_tokens: int) -> str:
+    return decode_text(Model(SMALL).generate(encode(prompt), max_tokens))
+
+
+async def pools_whole(fleet: InProcess) -> None:
+    for url in ("http://prefill-0", "http://decode-0"):
+        health = msgspec.json.decode((await fleet.instances.get(f"{url}/health")).content, type=InstanceHealth)
+        assert health.blocks["free"] == 16 and health.blocks["in_flight"] == 0, health
+        assert health.requests_in_flight == 0
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_completion_through_the_proxy_is_the_reference_and_reports_its_kv_transfer(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with in_process(mode, monkeypatch) as fleet:
+        body = {"model": SMALL.name, "prompt": "hello there", "max_tokens": 5}
+        resp = await fleet.proxy.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        assert answer["choices"][0]["text"] == reference("hello there", 5)
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["model"] == SMALL.name
+        assert answer["usage"] == {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+        kv = answer["kv_transfer"]
+        blocks = SMALL.blocks_for(12)
+        assert (kv["attempts"], kv["mode"], kv["prefill"], kv["decode"]) == (
+            1, mode, "http://prefill-0", "http://decode-0"
+        )  # fmt: skip
+        assert kv["bytes"] == SMALL.n_layers * 2 * blocks * SMALL.block_bytes
+        assert kv["transfer_s"] > 0 and kv["prefill_compute_s"] > 0
+        assert 0 <= kv["exposed_s"] < 60  # a duration, not a clock reading
+        await pools_whole(fleet)
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_streamed_completion_is_the_reference_chunk_by_chunk_then_usage_and_done(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with in_process(mode, monkeypatch) as fleet:
+        body = {
+            "model": SMALL.name, "prompt": "stream", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        resp = await fleet.proxy.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        chunks = [msgspec.json.decode(e) for e in events[:-1]]
+        texts = [c["choices"][0]["text"] for c in chunks[:4]]
+        assert "".join(texts) == reference("stream", 4) and all(len(t) == 1 for t in texts)
+        last, usage = chunks[4], chunks[5]
+        assert last["choices"][0]["finish_reason"] == "length" and last["kv_transfer"]["mode"] == mode
+        assert usage["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+        assert len(chunks) == 6 and len({c["id"] for c in chunks}) == 1
+        await pools_whole(fleet)
+
+
+async def test_the_proxy_lists_its_model_and_its_instances_and_counts_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with in_process("write", monkeypatch) as fleet:
+        models = (await fleet.proxy.get("/v1/models")).json()
+        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(SMALL.name, SMALL.max_model_len)]
+        health = await fleet.proxy.get("/health")
+        assert health.status_code == 200 and health.json()["ready"] is True and health.json()["mode"] == "write"
+        assert [(i["url"], i["healthy"]) for i in health.json()["instances"]] == [
+            ("http://prefill-0", True), ("http://decode-0", True)
+        ]  # fmt: skip
+        bad = await fleet.proxy.post("/v1/completions", json={"model": "other", "prompt": "x"})
+        assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+        ok = await fleet.proxy.post("/v1/completions", json={"model": SMALL.name, "prompt": "x", "max_tokens": 1})
+        assert ok.status_code == 200
+        metrics = (await fleet.proxy.get("/metrics")).text
+        assert 'status="404"} 1.0' in metrics and 'status="200"} 1.0' in metrics
+        assert "requests_in_flight 0.0" in metrics
+        served = {i["url"]: i["served"] for i in (await fleet.proxy.get("/health")).json()["instances"]}
+        assert served == {"http://prefill-0": 1, "http://decode-0": 1}
+
+
+async def test_an_instance_app_answers_serving_errors_as_an_error_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with in_process("write", monkeypatch) as fleet:
+        bad = await fleet.instances.post("http://decode-0/generate", content=b"{}")
+        assert bad.status_code == 400 and msgspec.json.decode(bad.content, type=ErrorBody).error.startswith(
+            "bad GenerateRequest"
+        )
+        bad = await fleet.instances.post("http://prefill-0/prefill", content=b"[1]")
+        assert bad.status_code == 400 and "bad PrefillRequest" in bad.json()["error"]
+        ok = await fleet.instances.post("http://prefill-0/abort", content=msgspec.json.encode(AbortRequest("x")))
+        assert ok.status_code == 200 and ok.json() == {"ok": True}
+        assert (await fleet.instances.get("http://decode-0/metrics")).status_code == 200
+
+
+@pytest.mark.parametrize("abort_fails", [False, True], ids=["abort-answered", "abort-unreachable"])
+async def test_a_failed_decode_leg_tells_the_prefill_instance_to_give_up_on_its_lent_blocks(abort_fails: bool) -> None:
+    """READ mode: prefill lent its blocks, decode refused the request: prefill hears /abort for that request id,
+    bounded by the leg's deadlines; an abort that cannot be delivered does not change the answer."""
+    fake = Fake("/generate", 400, error(False))
+    if abort_fails:
+        fake.abort_error = httpx.ConnectError("refused")
+    err, _ = await run(fake, "read")
+    assert err.status == 502
+    settings = ProxySettings(PREFILL, DECODE, SMALL)
+    timeout = {"connect": settings.control_timeout, "read": settings.leg_timeout}
+    timeout |= {"write": settings.leg_timeout, "pool": settings.leg_timeout}
+    assert len(fake.aborts) == 1
+    host, body, sent_timeout = fake.aborts[0]
+    assert host.startswith("prefill-") and body == AbortRequest("cmpl-1-0") and sent_timeout == timeout
+
+
+def test_a_request_must_name_the_model_and_fit_in_its_context() -> None:
+    proxy = Proxy(ProxySettings(PREFILL, DECODE, SMALL), httpx.AsyncClient())
+    prompt = "x" * 10  # 11 tokens with BOS
+    assert proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=None)) == (encode(prompt), 16)
+    assert proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=21))[1] == 21  # 32 exactly
+    with pytest.raises(ApiError) as info:
+        proxy.check(CompletionRequest(model="gpt", prompt=prompt))
+    err = info.value
+    assert (err.status, err.param, err.code, str(err)) == (
+        404,
+        "model",
+        "model_not_found",
+        "The model `gpt` does not exist.",
+    )
+    with pytest.raises(ApiError) as info:
+        proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=22))
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")
+    assert str(err) == (
+        "This model's maximum context length is 32 tokens. However, you requested 33 tokens "
+        "(11 in the prompt, 22 in the completion)."
+    )
+    for prompt in ("y" * 31, "y" * 40):  # the prompt alone fills the context: it is the prompt's fault
+        with pytest.raises(ApiError) as info:
+            proxy.check(CompletionRequest(model=SMALL.name, prompt=prompt, max_tokens=1))
+        assert info.value.param == "prompt"
+    with pytest.raises(ApiError) as info:
+        proxy.check(CompletionRequest(model=SMALL.name, prompt="y" * 30, max_tokens=2))
+    assert info.value.param == "max_tokens"
+
+
+async def open_with(handler: httpx.MockTransport, mode: str = "read") -> tuple[Proxy, ApiError, Counter[str]]:
+    """``Proxy.open`` over instances answered by ``handler``: the error it ends with, and retries by blamed role."""
+    async with httpx.AsyncClient(transport=handler) as client:
+        proxy = Proxy(ProxySettings(PREFILL, DECODE, SMALL, mode=mode, max_attempts=3), client)  # type: ignore[arg-type]
+        await proxy.fleet.check_all()
+        with pytest.raises(ApiError) as info:
+            await proxy.open([1, 2, 3, 4, 5], 2, "cmpl-1")
+        retries = Counter(
+            {
+                s.labels["reason"]: s.value
+                for m in proxy.metrics.retries.collect()
+                for s in m.samples
+                if s.name.endswith("_total")
+            }
+        )
+        return proxy, info.value, retries
+
+
+async def test_a_retryable_failure_blames_the_instance_its_error_names() -> None:
+    """Prefill refuses because of decode (``cause``): the decode instance is left out, not the prefill one."""
+    fake = Fake("/prefill", 503, error(True, "decode"))
+    proxy, err, retries = await open_with(httpx.MockTransport(fake))
+    assert err.status == 503 and err.code == "no_healthy_instance"
+    assert str(err).endswith("; no healthy decode instance") and str(err).count("refused") == 2
+    assert fake.calls["/prefill"] == 2 and retries == Counter({"decode": 2})
+    assert all(e.healthy and e.in_flight == 0 for e in proxy.fleet.endpoints), "blamed is not down"
+
+
+@pytest.mark.parametrize("broken", ["transport", "body"])
+async def test_a_prefill_instance_that_cannot_answer_is_marked_down_and_avoided(broken: str) -> None:
+    fake = Fake("", 0, b"")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/prefill":
+            fake.calls["/prefill"] += 1
+            if broken == "transport":
+                raise httpx.ConnectError("connection refused")
+            return httpx.Response(200, content=b"{not json")
+        return fake(request)
+
+    proxy, err, retries = await open_with(httpx.MockTransport(handler))
+    assert err.status == 503 and str(err).endswith("; no healthy prefill instance")
+    assert fake.calls["/prefill"] == 2 and retries == Counter({"prefill": 2})
+    kind = "ConnectError: connection refused" if broken == "transport" else "DecodeError"
+    for ep in proxy.fleet.of("prefill"):
+        assert not ep.healthy and kind in ep.reason and ep.in_flight == 0
+    assert all(e.healthy and e.in_flight == 0 for e in proxy.fleet.of("decode"))
+
+
+async def test_write_mode_aborts_the_leg_still_running_when_the_other_failed() -> None:
+    """WRITE mode runs both legs at once: decode fails at once, so prefill (still waiting for decode's blocks)
+    is told to give up; its answer to that is the attempt's error, and the next attempt runs elsewhere."""
+    fake = Fake("/generate", 503, error(True, "decode"))
+    aborted: dict[str, asyncio.Event] = {}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/prefill":
+            fake.calls[path] += 1
+            await aborted.setdefault(msgspec.json.decode(request.content)["request_id"], asyncio.Event()).wait()
+            return httpx.Response(504, content=error(True, "decode"))
+        if path == "/abort":
+            aborted.setdefault(msgspec.json.decode(request.content)["request_id"], asyncio.Event()).set()
+        return fake(request)
+
+    proxy, err, retries = await open_with(httpx.MockTransport(handler), "write")
+    assert err.status == 503 and retries == Counter({"decode": 2})
+    assert {body.request_id for _, body, _ in fake.aborts} == {"cmpl-1-0", "cmpl-1-1"}
+    assert all(host.startswith("prefill-") for host, _, _ in fake.aborts)
+    assert fake.calls["/prefill"] == fake.calls["/generate"] == 2
+    assert all(e.in_flight == 0 for e in proxy.fleet.endpoints)
+
+
+@pytest.mark.parametrize("status", [500, 503])
+async def test_a_5xx_without_an_error_body_is_retried_blaming_the_instance_that_answered(status: int) -> None:
+    fake = Fake("/prefill", status, b"<html>oops</html>")
+    proxy, err, retries = await open_with(httpx.MockTransport(fake))
+    assert err.status == 503 and retries == Counter({"prefill": 2}) and fake.calls["/prefill"] == 2
+    for url in PREFILL:
+        assert f"prefill {url} answered {status}" in str(err)
+    assert all(e.healthy for e in proxy.fleet.endpoints)
+
+
+@pytest.mark.parametrize("cause", ["prefill", ""], ids=["own-cause", "no-cause"])
+async def test_an_error_body_naming_no_other_instance_blames_the_one_that_answered(cause: str) -> None:
+    fake = Fake("/prefill", 503, error(True, cause))
+    _, err, retries = await open_with(httpx.MockTransport(fake))
+    assert err.status == 503 and str(err).endswith("; no healthy prefill instance")
+    assert retries == Counter({"prefill": 2}) and fake.calls["/prefill"] == 2
