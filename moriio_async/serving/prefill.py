@@ -124,7 +124,7 @@ class PrefillServer:
                 for layer in range(s.model.n_layers)
             ]
             session = await inst.session_to(remote.decode, cause="decode")
-            first, stats = await self._compute_and_write(req, blocks, session, segments, transfers)
+            first, stats, computed = await self._compute_and_write(req, blocks, session, segments, transfers)
         except BaseException as exc:
             if session is not None and any(not t.done() for t in transfers):
                 # Nothing of ours may land in decode's blocks after it hears write_failed.
@@ -133,8 +133,7 @@ class PrefillServer:
             if isinstance(exc, ValueError):
                 raise ServingError(400, str(exc)) from exc
             raise
-        computed = stats.exposed_s
-        # Decode's figure (its x-kv-* headers) runs until write_done leaves: a duration, never our start time.
+        # Decode's figure (its x-kv-* headers) runs until write_done leaves.
         stats.exposed_s = time.perf_counter() - computed
         try:
             await inst.notify(remote.decode, WriteDone(req.request_id, first, stats))
@@ -151,7 +150,8 @@ class PrefillServer:
         session: Session,
         segments: list[tuple[list[int], list[int], list[int]]],
         transfers: list[Transfer],
-    ) -> tuple[int, TransferStats]:
+    ) -> tuple[int, TransferStats, float]:
+        """The first token, the transfer figures, and when the compute ended (``exposed_s`` runs from then)."""
         inst = self.inst
         loop = asyncio.get_running_loop()
         intervals: list[tuple[float, float]] = []
@@ -193,12 +193,10 @@ class PrefillServer:
                 raise PeerUnavailable(f"KV writes to decode failed: {exc}", cause="decode") from exc
             finally:
                 inst.metrics.settle("write", transfers, error)
-        return first, TransferStats(
-            bytes=sum(t.nbytes for t in transfers),
-            transfer_s=busy_time(intervals),
-            exposed_s=computed,  # a start time until _push turns it into a duration
-            compute_s=computed - started,
+        stats = TransferStats(
+            bytes=sum(t.nbytes for t in transfers), transfer_s=busy_time(intervals), compute_s=computed - started
         )
+        return first, stats, computed
 
     # -- the request ---------------------------------------------------------------------------------
 
