@@ -192,9 +192,10 @@ class QpChannel:
         """
         one = job.one
         sendq = self.sendq
+        gather = one is not None and sendq.in_flight > 0 and self.qp.gathers_singles
         if one is not None:
             job.transfer.start(1)
-            wr_id = None if sendq.in_flight and self.qp.gathers_singles else sendq.post_one(job)
+            wr_id = None if gather else sendq.post_one(job)
             if wr_id is not None:
                 self.qp.post_one(wr_id, *one)
                 self.posted += 1
@@ -210,7 +211,7 @@ class QpChannel:
         sendq.enqueue(job, n)
         if self.state == ChannelState.FAILED and not sendq.in_flight:
             self._on_failed_idle(self)
-        elif one is not None and sendq.in_flight and self.qp.gathers_singles:
+        elif gather:
             self._post_soon()
         else:
             self._pump()
