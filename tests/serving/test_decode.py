@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import httpx
 import msgspec
 import numpy as np
 import pytest
+from starlette.types import Message, Scope
 
 from moriio_async import IOEngine, IOEngineConfig, TcpOptions
 from moriio_async.backends.tcp import PlanHooks
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.serving.config import InstanceSettings, Role
-from moriio_async.serving.decode import DecodeServer, Generation
+from moriio_async.serving.decode import DecodeServer, Generation, create_decode_app
 from moriio_async.serving.instance import Instance, ServingError
 from moriio_async.serving.kvpool import KVLayout
 from moriio_async.serving.messages import (
@@ -31,6 +34,9 @@ from moriio_async.serving.messages import (
     Release,
     RemoteBlocks,
     TokenLine,
+    TransferStats,
+    WriteDone,
+    WriteFailed,
     control_decoder,
 )
 from moriio_async.serving.model import Model, ModelConfig, encode
@@ -254,21 +260,23 @@ async def test_a_second_write_request_under_a_waiting_id_is_a_409(write_pair: Pa
 
 
 @pytest.mark.parametrize(
-    ("prompt", "max_tokens"),
+    ("prompt", "max_tokens", "why"),
     [
-        pytest.param([], 2, id="empty-prompt"),
-        pytest.param(PROMPT, 0, id="no-tokens"),
-        pytest.param(PROMPT, SMALL.max_model_len - len(PROMPT) + 1, id="past-max_model_len"),
+        pytest.param([], 2, "prompt_token_ids must be 1..32 ids", id="empty-prompt"),
+        pytest.param(PROMPT, 0, "max_tokens 0 must be >= 1 and fit in max_model_len", id="no-tokens"),
+        pytest.param(
+            PROMPT, SMALL.max_model_len - len(PROMPT) + 1, "max_tokens 28 must be >= 1", id="past-max_model_len"
+        ),
     ],
 )
 async def test_a_request_that_cannot_fit_is_a_400_and_allocates_nothing(
-    mock_stand: Stand, prompt: list[int], max_tokens: int
+    mock_stand: Stand, prompt: list[int], max_tokens: int, why: str
 ) -> None:
     s = mock_stand
     req = GenerateRequest("r", prompt, max_tokens, "read", s.ref, first_token=7, block_ids=[0, 1], layout=s.layout)
     with pytest.raises(ServingError) as info:
         await s.decode.generate(req)
-    assert info.value.status == 400
+    assert info.value.status == 400 and str(info.value).startswith(why)
     assert s.decode.inst.pool.stats()["allocated"] == 0 and s.decode.inst.pool.peak == 0
 
 
@@ -306,6 +314,7 @@ async def test_a_full_pool_is_a_retryable_503_blaming_decode() -> None:
         with pytest.raises(ServingError) as info:
             await s.decode.generate(read_request(s, [0, 1]))
         assert (info.value.status, info.value.retryable, info.value.cause) == (503, True, "decode")
+        assert str(info.value) == "no 2 free KV blocks within 0.01s (0/16 free)"  # the pool's own words
     finally:
         await close(s)
 
@@ -386,3 +395,148 @@ async def test_a_prefill_that_lives_but_never_answers_fails_the_request_after_tw
     offer = control_decoder().decode((await s.prefill.recv_notification(timeout=10)).data)
     assert isinstance(offer, RemoteBlocks) and offer.request_id == "w" and len(offer.block_ids) == 2
     assert s.decode.inst.pool.stats()["free"] == BLOCKS and not s.decode.waiters
+
+
+async def test_a_generation_whose_step_fails_ends_with_finish_reason_error_logs_it_and_frees_its_blocks(
+    mock_stand: Stand, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = mock_stand
+
+    def broken_step(*_args: object) -> int:
+        raise RuntimeError("the model thread broke")
+
+    monkeypatch.setattr(s.decode.inst.model, "decode_step", broken_step)
+    caplog.set_level(logging.ERROR, logger="moriio_async.serving")
+    req = GenerateRequest("r1", PROMPT, 3, "read", s.ref, first_token=7, block_ids=[0, 5], layout=s.layout)
+    gen, _ = await s.decode.generate(req)
+    assert gen.task.get_name() == "generate r1"  # how the instance's task list and asyncio's debug name it
+    assert await tokens_of(gen) == ([7], "error")  # the first token (prefill's), then the failure
+    await asyncio.wait_for(gen.task, 10)
+    assert [r.getMessage() for r in caplog.records] == ["decode-0: generation of r1 failed"]
+    assert caplog.records[0].exc_info is not None and "the model thread broke" in caplog.text
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_an_answer_for_a_request_nobody_waits_for_is_dropped_quietly(
+    write_pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A late write_done/write_failed (the request already ended on decode) changes nothing and fails no task."""
+    p, d = write_pair.prefill, write_pair.decode
+    caplog.set_level(logging.WARNING)
+
+    async def serve(rid: str) -> None:
+        gen_req = GenerateRequest(rid, PROMPT, 2, "write", p.inst.engine_ref())
+        (gen, _), _ = await asyncio.gather(d.generate(gen_req), p.prefill(PrefillRequest(rid, PROMPT, "write")))
+        assert (await tokens_of(gen))[1] == "length"
+        await asyncio.wait_for(gen.task, 10)
+
+    await serve("w0")
+    for late in (
+        WriteDone("w0", 3, TransferStats()),
+        WriteFailed("w0", "too late"),
+        WriteDone("never", 3, TransferStats()),
+    ):
+        await p.inst.notify(d.inst.engine_ref(), late)
+    # Answers from one peer are handled in order: once the next request is served, the late ones were handled.
+    await serve("w1")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert not d.waiters and d.inst.pool.stats()["free"] == BLOCKS
+
+
+async def test_remote_blocks_that_cannot_be_sent_to_a_prefill_that_died_fail_the_request_at_once(
+    mock_stand: Stand, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prefill dies as decode offers its blocks: decode logs why the offer failed, settles it like an abort
+    (it may have arrived), finds prefill gone and fails the request instead of waiting out a write wait."""
+    s = mock_stand
+
+    async def dying_prefill(ref: EngineRef, msg: object) -> None:
+        await s.prefill.close()
+        raise OSError("connection reset by peer")
+
+    monkeypatch.setattr(s.decode.inst, "notify", dying_prefill)
+    caplog.set_level(logging.INFO, logger="moriio_async.serving")
+    with pytest.raises(ServingError) as info:
+        await asyncio.wait_for(s.decode.generate(GenerateRequest("w", PROMPT, 2, "write", s.ref)), 10)
+    assert (info.value.status, info.value.cause) == (502, "prefill")
+    assert str(info.value) == "prefill-0 could not write the KV: prefill-0 is gone"
+    assert "decode-0: remote_blocks for w not sent: connection reset by peer" in [
+        r.getMessage() for r in caplog.records
+    ]
+    assert s.decode.inst.pool.stats()["free"] == BLOCKS and not s.decode.waiters
+
+
+# -- the decode app: /generate over HTTP -----------------------------------------------------------
+
+
+def decode_app_settings() -> InstanceSettings:
+    return InstanceSettings("decode-0", "decode", SMALL, BLOCKS, backend="mock")
+
+
+async def test_the_decode_app_streams_the_tokens_as_ndjson_with_the_kv_figures_as_headers(mock_stand: Stand) -> None:
+    s = mock_stand
+    app = create_decode_app(decode_app_settings())
+    assert app.title == "moriio_async decode decode-0"  # what /docs and /openapi.json call it
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://decode-0") as client:
+            req = GenerateRequest("r1", PROMPT, 3, "read", s.ref, first_token=7, block_ids=[0, 5], layout=s.layout)
+            resp = await client.post("/generate", content=msgspec.json.encode(req))
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["content-type"] == "application/x-ndjson"
+            lines = [msgspec.json.decode(line, type=TokenLine) for line in resp.content.splitlines()]
+            assert len(lines) == 4 and lines[0].token == 7 and lines[-1].finish_reason == "length"  # 3 tokens, the end
+            assert all(line.token is not None for line in lines[:-1])
+            assert int(resp.headers["x-kv-bytes"]) == SMALL.n_layers * 2 * 2 * SMALL.block_bytes
+            assert float(resp.headers["x-kv-exposed-s"]) == float(resp.headers["x-kv-transfer-s"]) > 0
+
+
+async def test_a_client_gone_before_its_stream_started_stops_the_generation(
+    mock_stand: Stand, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy hangs up as decode answers, before the first token was streamed: the response's background
+    closes the generation, which stops after the step it was in instead of running out its max_tokens."""
+    s = mock_stand
+    steps: list[int] = []
+    gate = threading.Event()
+    decode_step = Model.decode_step
+
+    def held_step(model: Model, token: int, pos: int, cache: np.ndarray, block_table: list[int]) -> int:
+        steps.append(pos)
+        gate.wait(10)  # the generation stays inside its first step until the client has gone
+        return decode_step(model, token, pos, cache, block_table)
+
+    monkeypatch.setattr(Model, "decode_step", held_step)
+    req = GenerateRequest("r1", PROMPT, 20, "read", s.ref, first_token=7, block_ids=[0, 5], layout=s.layout)
+    received: list[Message] = [{"type": "http.request", "body": msgspec.json.encode(req), "more_body": False}]
+
+    async def receive() -> Message:
+        return received.pop(0) if received else {"type": "http.disconnect"}
+
+    sent: list[Message] = []
+    never = asyncio.Event()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.start":
+            await never.wait()  # the response's head never gets through: the client hung up
+
+    scope: Scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/generate", "raw_path": b"/generate", "root_path": "", "query_string": b"",
+        "headers": [(b"host", b"decode-0"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("decode-0", 80),
+    }  # fmt: skip
+    app = create_decode_app(decode_app_settings())
+    try:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(app(scope, receive, send), 10)
+            gate.set()
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://decode-0") as client:
+                while (await client.get("/health")).json()["blocks"]["free"] != BLOCKS:  # noqa: ASYNC110 (polls the app: no event says the blocks came back)
+                    await asyncio.sleep(0.005)
+    finally:
+        gate.set()
+    assert not [m for m in sent if m["type"] == "http.response.body" and m.get("body")]  # no token reached it
+    assert steps == [len(PROMPT)], "the generation went on past the step it was in"
