@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from moriio_async import IOEngine, IOEngineConfig
+from moriio_async import IOEngine, IOEngineConfig, TcpOptions
+from moriio_async.backends.tcp import PlanHooks
+from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.serving.config import InstanceSettings
 from moriio_async.serving.instance import Instance, ServingError
 from moriio_async.serving.kvpool import KVLayout
@@ -26,7 +29,7 @@ from moriio_async.serving.messages import (
     encode_control,
 )
 from moriio_async.serving.model import Model, ModelConfig
-from moriio_async.serving.prefill import PrefillServer, busy_time
+from moriio_async.serving.prefill import PrefillServer, busy_time, create_prefill_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,7 +74,9 @@ async def test_a_released_or_aborted_lease_frees_its_blocks_at_once() -> None:
     await inst.start()
     try:
         server = PrefillServer(inst)
+        before = time.perf_counter()
         first = await server.prefill(PrefillRequest("a", PROMPT, "read"))
+        assert 0 < first.stats.compute_s <= time.perf_counter() - before  # a duration, within the call
         await server.prefill(PrefillRequest("b", PROMPT, "read"))
         assert inst.pool.stats()["in_flight"] == 2 * len(first.block_ids)
         server.abort("a")
@@ -129,7 +134,9 @@ def offer(s: Stand, rid: str, block_ids: list[int]) -> RemoteBlocks:
 async def test_a_write_lands_each_block_where_decode_asked_and_write_done_carries_the_first_token(stand: Stand) -> None:
     s = stand
     assert s.server.rendezvous.deliver(offer(s, "w", [9, 3])) == ""
+    before = time.perf_counter()
     answer = await s.server.prefill(PrefillRequest("w", PROMPT, "write"))
+    assert 0 < answer.stats.compute_s <= time.perf_counter() - before  # a duration, within the call
     note = await s.note()
     assert isinstance(note, WriteDone) and (note.request_id, note.first_token) == ("w", answer.first_token)
     sent, told = note.stats, answer.stats
@@ -194,6 +201,7 @@ async def test_a_full_pool_is_a_retryable_503_and_refuses_the_requests_blocks_la
     with pytest.raises(ServingError) as info:
         await s.server.prefill(PrefillRequest("w", PROMPT, "write"))
     assert (info.value.status, info.value.retryable, info.value.cause) == (503, True, "prefill")
+    assert str(info.value) == "no 2 free KV blocks within 0.01s (0/16 free)"  # the pool's own words
     assert s.server.rendezvous.deliver(offer(s, "w", [0, 1])) == "the prefill request already ended"
 
 
@@ -204,6 +212,7 @@ async def test_release_from_the_reader_ends_the_lease_and_a_second_read_of_one_i
     with pytest.raises(ServingError) as info:
         await s.server.prefill(PrefillRequest("r", PROMPT, "read"))
     assert info.value.status == 409 and pool.stats()["allocated"] == 2, "the second request's blocks are freed"
+    assert str(info.value) == "request r already holds blocks here"
     await s.decode.notify("prefill-0", encode_control(Release("r")))
     while s.server.leases:  # noqa: ASYNC110 (polls the server's state: no event says a lease ended)
         await asyncio.sleep(0.005)
@@ -224,3 +233,109 @@ async def test_writes_that_cannot_be_posted_are_a_retryable_502_naming_why_and_w
     note = await s.note()
     assert isinstance(note, WriteFailed) and note.error.startswith("PeerUnavailable: posting the KV writes failed")
     assert not s.cache.any() and s.server.inst.pool.stats()["free"] == BLOCKS
+    # Nothing was in flight: the session to decode, which other requests share, is not aborted.
+    session = await s.server.inst.session_to(s.ref, cause="decode")
+    assert session.statistics().state == "ready"
+
+
+async def test_writes_that_time_out_are_aborted_before_write_failed_and_counted_as_timed_out() -> None:
+    """Decode's NIC stalls on the first write; prefill's wait times out. Prefill aborts the session (its pair)
+    before it tells decode write_failed, and fails the request as retryable, blaming decode."""
+    hooks = PlanHooks(FaultPlan((FaultRule(Action.STALL, qp=0, wr=0),)))
+    settings = InstanceSettings("prefill-0", "prefill", SMALL, BLOCKS, backend="tcp", transfer_timeout=0.3)
+    inst = Instance(settings)
+    await inst.start()
+    decode = await IOEngine("decode-0", IOEngineConfig(backend="tcp", tcp=TcpOptions(hooks=hooks))).start()
+    cache = Model(SMALL).new_cache(BLOCKS)
+    decode.register_memory(cache, name="kv")
+    try:
+        await decode.connect(inst.engine.address)
+        s = Stand(PrefillServer(inst), decode, EngineRef(decode.key, decode.address, decode.incarnation),
+                  KVLayout(SMALL.n_layers, BLOCKS, SMALL.block_bytes), cache)  # fmt: skip
+        assert s.server.rendezvous.deliver(offer(s, "w", [0, 1])) == ""
+        with pytest.raises(ServingError) as info:
+            await s.server.prefill(PrefillRequest("w", PROMPT, "write"))
+        err = info.value
+        assert (err.status, err.retryable, err.cause) == (502, True, "decode")
+        assert str(err).startswith("KV writes to decode failed: ")
+        note = await s.note()
+        assert isinstance(note, WriteFailed) and note.error.startswith("PeerUnavailable: KV writes to decode failed")
+        registry = inst.metrics.registry
+
+        def count(name: str) -> float:
+            return registry.get_sample_value(f"moriio_transfers_{name}_total", {"op": "write"}) or 0.0
+
+        assert count("timed_out") >= 1, "the stalled write is counted as past its deadline"
+        assert count("timed_out") + count("succeeded") == count("started") == 2
+        assert [a.action for a in hooks.applied] == [Action.STALL]
+        assert inst.pool.stats()["free"] == BLOCKS
+        # The session was aborted: the next transfer goes over a fresh pair instead of queueing behind the
+        # write decode's NIC still holds (the stall holds only the first pair's first request).
+        session = await inst.session_to(s.ref, cause="decode")
+        await asyncio.wait_for(session.write(0, s.layout.offset(0, 0, BLOCKS - 1), 1), 10)
+    finally:
+        hooks.release()
+        await inst.close()
+        await decode.close()
+
+
+async def test_four_offers_a_block_may_wait_for_their_request_and_the_next_is_refused(stand: Stand) -> None:
+    s = stand
+    for i in range(4 * BLOCKS):  # no await in between: none of them can expire meanwhile
+        assert s.server.rendezvous.deliver(offer(s, f"w{i}", [0, 1])) == ""
+    assert s.server.rendezvous.deliver(offer(s, "one-too-many", [0, 1])) == "too many requests waiting for their blocks"
+
+
+async def test_a_decode_exporting_no_kv_is_a_retryable_502_blaming_decode(stand: Stand) -> None:
+    s = stand
+    bare = await IOEngine("decode-1", IOEngineConfig(backend="mock")).start()
+    try:
+        await bare.connect(s.server.inst.engine.address)
+        ref = EngineRef(bare.key, bare.address, bare.incarnation)
+        assert s.server.rendezvous.deliver(RemoteBlocks("w", [0, 1], s.layout, ref)) == ""
+        with pytest.raises(ServingError) as info:
+            await s.server.prefill(PrefillRequest("w", PROMPT, "write"))
+        err = info.value
+        assert (err.status, err.retryable, err.cause) == (502, True, "decode")
+        assert str(err) == "decode-1 exports no 'kv' region"
+        assert s.server.inst.pool.stats()["free"] == BLOCKS
+    finally:
+        await bare.close()
+
+
+async def test_a_write_done_that_cannot_be_sent_is_a_retryable_502_blaming_decode(
+    stand: Stand, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV is in decode's blocks but decode cannot be told: the request fails (the proxy tries again)."""
+    s = stand
+    assert s.server.rendezvous.deliver(offer(s, "w", [0, 1])) == ""
+
+    async def unreachable(ref: EngineRef, msg: ControlMessage) -> None:
+        raise OSError("connection reset by peer")
+
+    monkeypatch.setattr(s.server.inst, "notify", unreachable)
+    with pytest.raises(ServingError) as info:
+        await s.server.prefill(PrefillRequest("w", PROMPT, "write"))
+    err = info.value
+    assert (err.status, err.retryable, err.cause) == (502, True, "decode")
+    assert str(err) == "write_done not delivered: connection reset by peer"
+    assert s.server.inst.pool.stats()["free"] == BLOCKS
+
+
+def test_the_prefill_app_is_titled_by_its_role_and_name() -> None:
+    app = create_prefill_app(InstanceSettings("prefill-0", "prefill", SMALL, BLOCKS, backend="mock"))
+    assert app.title == "moriio_async prefill prefill-0"  # what /docs and /openapi.json call it
+
+
+async def test_a_read_mode_compute_that_fails_frees_its_blocks_and_lends_nothing(
+    stand: Stand, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = stand
+
+    def broken_prefill(*_args: object) -> int:
+        raise RuntimeError("the model thread broke")
+
+    monkeypatch.setattr(s.server.inst.model, "prefill", broken_prefill)
+    with pytest.raises(RuntimeError, match="the model thread broke"):
+        await s.server.prefill(PrefillRequest("r", PROMPT, "read"))
+    assert s.server.inst.pool.stats()["free"] == BLOCKS and not s.server.leases
