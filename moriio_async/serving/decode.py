@@ -210,7 +210,7 @@ class DecodeServer:
             return waiter.answer.result()
         if await inst.peer_gone(req.prefill):
             return WriteFailed(req.request_id, f"{req.prefill.key} is gone")
-        # Prefill lives: it answers within its own deadlines (it aborts its writes before write_failed).
+        # Prefill lives: it answers within its own deadlines (it closes its writes' pair before write_failed).
         try:
             async with asyncio.timeout(inst.settings.write_wait_timeout):
                 return await asyncio.shield(waiter.answer)

@@ -224,6 +224,19 @@ class Instance:
                 self.spawn(session.close())  # its peer is gone or distrusted: abort what is left on it
             return fresh
 
+    async def close_session(self, ref: EngineRef, session: Session) -> None:
+        """Close ``session`` (the next ``session_to`` opens a fresh one): what is in flight on it ends, and the
+        peer is told to close its answering half before any control message this instance sends it later.
+
+        An abort alone ends this side's transfers, but the peer's half of the pair may still hold a request
+        it has not executed (its NIC stalled): it could land after the peer heard that it would not.
+        ``close_qp`` travels over the peer's control link ahead of any later message, and a closed answering
+        pair executes nothing more.
+        """
+        if self._sessions.get(ref.key) is session:
+            del self._sessions[ref.key]
+        await session.close()
+
     async def peer_gone(self, ref: EngineRef) -> bool:
         """True when ``ref``'s process no longer runs: unreachable, or another incarnation answers.
 

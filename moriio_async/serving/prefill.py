@@ -9,7 +9,8 @@
   layer with ``batch_write`` as soon as the model has produced it; await them all
   (``transfer_timeout``), then send ``write_done``. On any failure send
   ``write_failed`` once nothing of ours can still land in decode's blocks (a
-  timed-out transfer aborts the session first): decode never waits forever.
+  timed-out transfer closes the session first, decode's half of the pair with
+  it, ahead of ``write_failed`` on the same link): decode never waits forever.
 
 ``POST /abort`` is the proxy giving up on a request (its other leg failed).
 """
@@ -127,8 +128,9 @@ class PrefillServer:
             first, stats, computed = await self._compute_and_write(req, blocks, session, segments, transfers)
         except BaseException as exc:
             if session is not None and any(not t.done() for t in transfers):
-                # Nothing of ours may land in decode's blocks after it hears write_failed.
-                await session.abort()
+                # Nothing of ours may land in decode's blocks after it hears write_failed: an abort ends
+                # our side; closing has decode close its half too, ahead of write_failed on the same link.
+                await inst.close_session(remote.decode, session)
             self._orphaned(remote, f"{type(exc).__name__}: {exc}")
             if isinstance(exc, ValueError):
                 raise ServingError(400, str(exc)) from exc

@@ -238,9 +238,10 @@ async def test_writes_that_cannot_be_posted_are_a_retryable_502_naming_why_and_w
     assert session.statistics().state == "ready"
 
 
-async def test_writes_that_time_out_are_aborted_before_write_failed_and_counted_as_timed_out() -> None:
-    """Decode's NIC stalls on the first write; prefill's wait times out. Prefill aborts the session (its pair)
-    before it tells decode write_failed, and fails the request as retryable, blaming decode."""
+async def test_writes_that_time_out_close_both_halves_before_write_failed_and_the_stalled_write_lands_nowhere() -> None:
+    """Decode's NIC stalls on the first write; prefill's wait times out. Prefill closes the session (its pair,
+    and decode's half of it) before it tells decode write_failed, and fails the request as retryable, blaming
+    decode. The stalled write, released once decode has heard write_failed, lands nowhere."""
     hooks = PlanHooks(FaultPlan((FaultRule(Action.STALL, qp=0, wr=0),)))
     settings = InstanceSettings("prefill-0", "prefill", SMALL, BLOCKS, backend="tcp", transfer_timeout=0.3)
     inst = Instance(settings)
@@ -260,6 +261,8 @@ async def test_writes_that_time_out_are_aborted_before_write_failed_and_counted_
         assert str(err).startswith("KV writes to decode failed: ")
         note = await s.note()
         assert isinstance(note, WriteFailed) and note.error.startswith("PeerUnavailable: KV writes to decode failed")
+        heard = cache.copy()  # decode may reuse its blocks from here: nothing may land in them any more
+        hooks.release()
         registry = inst.metrics.registry
 
         def count(name: str) -> float:
@@ -269,10 +272,15 @@ async def test_writes_that_time_out_are_aborted_before_write_failed_and_counted_
         assert count("timed_out") + count("succeeded") == count("started") == 2
         assert [a.action for a in hooks.applied] == [Action.STALL]
         assert inst.pool.stats()["free"] == BLOCKS
-        # The session was aborted: the next transfer goes over a fresh pair instead of queueing behind the
-        # write decode's NIC still holds (the stall holds only the first pair's first request).
+        # The session was closed: the next transfer goes over a fresh pair (the stall held only the first
+        # pair's first request), and the released write did not land in the meantime.
         session = await inst.session_to(s.ref, cause="decode")
-        await asyncio.wait_for(session.write(0, s.layout.offset(0, 0, BLOCKS - 1), 1), 10)
+        last = s.layout.offset(0, 0, BLOCKS - 1)
+        await asyncio.wait_for(session.write(0, last, 1), 10)
+        await asyncio.sleep(0.2)  # room for the released write to land, were it to
+        now, then = cache.view(np.uint8).ravel(), heard.view(np.uint8).ravel()
+        then[last] = now[last]  # the one byte written since, on purpose
+        assert np.array_equal(now, then), "the stalled write landed after decode heard write_failed"
     finally:
         hooks.release()
         await inst.close()
