@@ -226,6 +226,31 @@ def test_deregister_remote_engine(pair: tuple[IOEngine, IOEngine]) -> None:
     assert session.write(0, 0, 8).WaitFor(10_000) is StatusCode.SUCCESS
 
 
+def test_deregistering_memory_closes_the_engine_level_session_on_it_and_others_go_on(
+    pair: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = pair
+    register(b, 64)  # b's first region: the id of b's region below differs from a's deregistered one
+    y, my = register(b, 256, fill=0)
+    x, mx = register(a, 256)
+    z, mz = register(a, 256)
+
+    def opened() -> int:
+        return on_loop(a, lambda: a.aio.statistics().peers.opened_qps)
+
+    assert a.write(mz, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
+    kept = opened()
+    assert a.write(mx, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
+    assert opened() > kept and np.array_equal(x, y)
+    a.deregister_memory(mx)
+    deadline = time.monotonic() + 5
+    while opened() != kept:  # mx's cached session closed; mz's stays open
+        assert time.monotonic() < deadline, "the engine-level session on the deregistered memory was not closed"
+        time.sleep(0.005)
+    assert a.write(mz, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
+    assert opened() == kept and np.array_equal(z, y)
+
+
 def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:
     a, _ = pair
     desc = a.get_engine_desc()
