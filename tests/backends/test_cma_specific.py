@@ -288,6 +288,54 @@ def test_a_target_killed_mid_batch_on_shared_memory_fails_retry_exc_then_flushes
         backend.close()
 
 
+def test_a_write_to_a_target_that_exited_fails_before_the_reader_saw_the_end(
+    backend_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into shared memory this pair has mapped, a write to a target that is gone would land in pages no
+    process reads; each window asks the target's pidfd first, so it fails RETRY_EXC_ERR (PEER_EXITED)
+    even while the reader has not yet seen the connection end (held back here)."""
+    real = initiator.receive
+
+    def late_to_see_the_end(sock: socket.socket, want_fd: bool = False) -> tuple[bytes, int | None]:
+        try:
+            return real(sock, want_fd)
+        except (OSError, wire.ProtocolError):
+            time.sleep(3.0)
+            raise
+
+    monkeypatch.setattr(initiator, "receive", late_to_see_the_end)
+    backend = open_backend(backend_name, make_options(sq_depth=32))
+    cq = backend.create_cq(64)
+    qp = backend.create_qp(cq)
+    buf = np.ones(1 << 20, np.uint8)
+    mr = backend.register_memory(memoryview(buf), Access.all())
+    proc = spawn("target", str(1 << 20), "--shared")
+    try:
+        tell(proc, dict(qp.endpoint()))
+        peer = line(proc)
+        qp.connect(peer["endpoint"])
+        waiter = CqWaiter(cq)
+
+        def write(wr_id: int) -> WorkCompletion:
+            qp.post_send([WorkRequest(wr_id, Opcode.RDMA_WRITE, (Sge(mr.addr, 4096, mr.lkey),), peer["addr"],
+                                      peer["rkey"])])  # fmt: skip
+            [wc] = waiter.wait(1)
+            return wc
+
+        assert write(0).status is WcStatus.SUCCESS  # the allocation is mapped here now
+        proc.kill()
+        proc.wait()
+        wc = write(1)
+        assert (wc.status, wc.vendor_err) == (WcStatus.RETRY_EXC_ERR, VendorErr.PEER_EXITED)
+    finally:
+        proc.kill()
+        proc.communicate()
+        qp.close()
+        cq.close()
+        backend.deregister_memory(mr)
+        backend.close()
+
+
 def test_a_target_the_kernel_will_not_let_us_attach_to_fails_the_connect_with_one_clear_line(backend_name: str) -> None:
     target = spawn("target", str(1 << 20), "--undumpable")
     initiator = spawn("initiator")
@@ -385,6 +433,25 @@ def test_deregistration_waits_only_for_a_window_in_progress_and_cuts_off_one_tha
     finally:
         fake.close()
         backend.close()
+
+
+def test_an_idle_pair_whose_target_closed_stays_ready_and_its_next_request_fails_retry_exc(
+    pairs: PairFactory,
+) -> None:
+    """As on a wire: with nothing outstanding, the end of the target's pair fails nothing; the next request
+    fails RETRY_EXC_ERR naming the closed peer, and moves no byte."""
+    pair = pairs(1 << 20, 1 << 20)
+    qp = pair.a.qp
+    assert isinstance(qp, CmaQueuePair) and qp.link is not None
+    link = qp.link
+    pair.b.qp.close()
+    assert eventually(lambda: link.gone)
+    assert qp.state == QpState.RTS
+    pair.a.buf[:] = 0xEF
+    before = pair.b.buf.copy()
+    [wc] = pair.run([pair.write(0, 0, 4096, 0)])
+    assert (wc.status, wc.vendor_err) == (WcStatus.RETRY_EXC_ERR, VendorErr.PEER_CLOSED)
+    assert np.array_equal(pair.b.buf, before)
 
 
 def test_a_bad_message_ends_only_its_own_connection(pairs: PairFactory) -> None:
