@@ -158,6 +158,28 @@ async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() 
         await close(s)
 
 
+async def test_a_request_cancelled_while_its_reads_are_in_flight_aborts_them_and_frees_every_block() -> None:
+    """The request's task is cancelled (its client went away) while prefill's NIC stalls a read: the session
+    is aborted, prefill hears release, and every block the request allocated goes back to the pool."""
+    hooks = PlanHooks(FaultPlan((FaultRule(Action.STALL, qp=None, wr=0),)))
+    s = await stand("tcp", hooks=hooks)
+    try:
+        pool = s.decode.inst.pool
+        task = asyncio.create_task(s.decode.generate(read_request(s, [0, 1])))
+        while not hooks.applied:  # noqa: ASYNC110 (polls the NIC's hooks: no event says the read stalls)
+            await asyncio.sleep(0.005)
+        assert pool.stats()["free"] < BLOCKS
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pool.stats()["free"] == BLOCKS and pool.stats()["in_flight"] == 0
+        note = await s.prefill.recv_notification(timeout=10)
+        assert note.peer == "decode-0" and control_decoder().decode(note.data) == Release("r1")
+    finally:
+        hooks.release()
+        await close(s)
+
+
 # -- WRITE mode: a prefill and a decode instance in one process ----------------------------------------
 
 
