@@ -24,6 +24,7 @@ from moriio_async.compat.mori import (
     MemoryLocationType,
     RdmaBackendConfig,
     StatusCode,
+    TransferStatus,
     XgmiBackendConfig,
 )
 from moriio_async.compat.mori import desc as desc_module
@@ -249,6 +250,30 @@ def test_deregistering_memory_closes_the_engine_level_session_on_it_and_others_g
         time.sleep(0.005)
     assert a.write(mz, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
     assert opened() == kept and np.array_equal(z, y)
+
+
+def test_a_call_made_as_its_pairs_session_opens_runs_after_the_calls_that_waited_for_it(
+    pair: tuple[IOEngine, IOEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine-level calls for one pair keep their order, also the one that reaches the loop after the
+    session opened but before the calls waiting for it were posted: two writes to the same bytes land
+    in the order they were made (the later one's bytes stay)."""
+    a, b = pair
+    x, mx = register(a, 16)
+    x[:8], x[8:] = 1, 2
+    y, my = register(b, 8, fill=0)
+    real = a.aio.create_session
+    later: list[TransferStatus] = []
+
+    async def open_then_call(*args: Any, **kwargs: Any) -> Any:
+        session = await real(*args, **kwargs)
+        later.append(a.write(mx, 8, my, 0, 8))  # reaches the loop before the open's waiting calls run
+        return session
+
+    monkeypatch.setattr(a.aio, "create_session", open_then_call)
+    assert a.write(mx, 0, my, 0, 8).WaitFor(10_000) is StatusCode.SUCCESS
+    assert len(later) == 1 and later[0].WaitFor(10_000) is StatusCode.SUCCESS
+    assert (y == 2).all()
 
 
 def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:
