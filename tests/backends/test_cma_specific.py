@@ -138,6 +138,33 @@ def test_shared_allocation_moves_bytes_through_the_mapping_and_is_unmapped_on_re
     assert np.array_equal(shared, before)
 
 
+def test_an_allocation_revoked_while_its_fd_was_on_the_way_is_not_kept_mapped(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target deregisters the allocation's only region after it sent the fd, before the initiator
+    mapped it: the mapping is dropped at once (no live region needs it; no later revocation would come
+    to drop it), and the write is refused with nothing moved."""
+    pair = pairs(1 << 20, 1 << 20)
+    mr, shared = shared_region(pair, 1 << 20)
+    qp = pair.a.qp
+    assert isinstance(qp, CmaQueuePair) and qp.link is not None
+    link = qp.link
+    real = link.fetch
+
+    def fetch_then_revoke(alloc_id: int, timeout: float) -> tuple[int, int] | None:
+        got = real(alloc_id, timeout)
+        pair.b.deregister(mr)  # returns once this initiator acknowledged the revocation
+        return got
+
+    monkeypatch.setattr(link, "fetch", fetch_then_revoke)
+    pair.a.buf[:] = 0xCD
+    before = shared.copy()
+    wcs = pair.run([to(mr, pair, 0, Opcode.RDMA_WRITE, [(0, 4096)], 0)])
+    assert statuses(wcs) == [WcStatus.REM_ACCESS_ERR]
+    assert not link.maps, "a mapping no live region needs was kept"
+    assert np.array_equal(shared, before)
+
+
 def test_one_batch_over_two_shared_allocations_reaches_the_last_byte_of_each(pairs: PairFactory) -> None:
     """Requests naming two shared allocations in one batch (checked together, not under one key), each
     ending exactly at its allocation's end, move through the mappings; one byte further fails."""
