@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -274,6 +276,33 @@ def test_a_call_made_as_its_pairs_session_opens_runs_after_the_calls_that_waited
     assert a.write(mx, 0, my, 0, 8).WaitFor(10_000) is StatusCode.SUCCESS
     assert len(later) == 1 and later[0].WaitFor(10_000) is StatusCode.SUCCESS
     assert (y == 2).all()
+
+
+def test_a_remote_engine_registered_again_while_a_call_to_it_opened_its_session_stays_known(
+    pair: tuple[IOEngine, IOEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deregistering a peer while an accepted call still opens its session forgets it only once that open
+    ended, and not at all if it was registered again meanwhile: later calls and notifications reach it."""
+    a, b = pair
+    x, mx = register(a, 64)
+    y, my = register(b, 64, fill=0)
+    real = a.aio.create_session
+    go = threading.Event()
+
+    async def held_open(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.get_running_loop().run_in_executor(None, go.wait, 10)  # until re-registered
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(a.aio, "create_session", held_open)
+    accepted = a.write(mx, 0, my, 0, 64)
+    a.deregister_remote_engine(b.get_engine_desc())
+    a.register_remote_engine(b.get_engine_desc())
+    go.set()
+    assert accepted.WaitFor(10_000) is StatusCode.SUCCESS and np.array_equal(x, y)
+    a.notify(b.key, b"still known")
+    assert b.recv_notification(timeout=10) == (a.key, b"still known")
+    session = a.create_session(mx, my)
+    assert session is not None and session.write(0, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
 
 
 def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:
