@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import re
 import socket
@@ -417,8 +418,22 @@ def test_backend_types_and_config_defaults() -> None:
         assert engine.aio.backend_name == "tcp"
         assert (engine.aio.config.sq_depth, engine.aio.config.max_sge) == (64, 4)
         engine.create_backend(BackendType.TCP)  # a second time: logged and skipped, as in MoRI-IO
+        assert (engine.aio.config.sq_depth, engine.aio.config.max_sge) == (64, 4)  # the first one's settings stay
     finally:
         engine.close()
+
+
+def test_creating_a_backend_type_again_is_logged_and_skipped_with_its_config(
+    pair: tuple[IOEngine, IOEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = pair
+    with caplog.at_level(logging.WARNING, logger="moriio_async"):
+        a.create_backend(BackendType.RDMA, RdmaBackendConfig(qp_per_transfer=2))
+    assert "Backend type BackendType.RDMA already exists, skip duplicate creation" in caplog.messages
+    _, mx = register(a, 64)
+    _, my = register(b, 64)
+    session = a.create_session(mx, my)
+    assert session is not None and len(session.stripes) == 1  # the first creation's config stays
 
 
 def test_mori_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
