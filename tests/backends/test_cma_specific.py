@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState
 from moriio_async.backends.cma import CmaBackend, CmaOptions, CmaQueuePair, VendorErr, initiator, wire
 from moriio_async.backends.cma.inuse import ANY, InUse
-from moriio_async.backends.cma.iov import segments, window
+from moriio_async.backends.cma.iov import Mover, segments, window
 from moriio_async.backends.tcp import TcpOptions
 from moriio_async.errors import InvalidArgument
 from moriio_async.status import Access, Opcode, WcStatus
@@ -479,6 +481,32 @@ def test_an_idle_pair_whose_target_closed_stays_ready_and_its_next_request_fails
     [wc] = pair.run([pair.write(0, 0, 4096, 0)])
     assert (wc.status, wc.vendor_err) == (WcStatus.RETRY_EXC_ERR, VendorErr.PEER_CLOSED)
     assert np.array_equal(pair.b.buf, before)
+
+
+def test_a_pair_moved_to_error_during_a_window_reports_its_request_once_as_flushed(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``to_error`` waits for the window being copied, then flushes the request; the worker, back from
+    that copy, finds the pair in ERR and reports nothing more for it (no second completion, no error)."""
+    entered, release = threading.Event(), threading.Event()
+    real = Mover.move
+
+    def held(self: Mover, *args: Any) -> tuple[int, int]:
+        entered.set()
+        release.wait(WAIT)
+        return real(self, *args)
+
+    monkeypatch.setattr(Mover, "move", held)
+    pair = pairs(4 << 20, 4 << 20, specific=CmaOptions(inline_bytes=0))  # the worker executes, not the poster
+    pair.a.qp.post_send([pair.write(0, 0, 2 << 20, 0)])
+    assert entered.wait(WAIT)
+    threading.Timer(0.2, release.set).start()  # to_error below waits for this copy
+    with caplog.at_level(logging.ERROR, logger="moriio_async"):
+        pair.a.qp.to_error()
+        [wc] = pair.waiter.wait(1)
+        assert (wc.wr_id, wc.status) == (0, WcStatus.WR_FLUSH_ERR)
+        pair.waiter.expect_none()
+    assert not caplog.records, caplog.text
 
 
 def test_a_bad_message_ends_only_its_own_connection(pairs: PairFactory) -> None:
