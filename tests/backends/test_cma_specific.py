@@ -509,6 +509,30 @@ def test_a_pair_moved_to_error_during_a_window_reports_its_request_once_as_flush
     assert not caplog.records, caplog.text
 
 
+def test_deregistering_a_local_region_returns_only_after_the_copy_out_of_it_ended(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write's window reads this backend's region right now: its deregistration waits for that copy
+    (the application may free the memory once it returns)."""
+    entered, release = threading.Event(), threading.Event()
+    real = Mover.move
+
+    def held(self: Mover, *args: Any) -> tuple[int, int]:
+        entered.set()
+        release.wait(WAIT)
+        return real(self, *args)
+
+    monkeypatch.setattr(Mover, "move", held)
+    pair = pairs(4 << 20, 4 << 20, specific=CmaOptions(inline_bytes=0))
+    pair.a.qp.post_send([pair.write(0, 0, 2 << 20, 0)])
+    assert entered.wait(WAIT)
+    threading.Timer(0.2, release.set).start()
+    pair.a.deregister(pair.a.mr)
+    assert release.is_set(), "the deregistration returned while a copy out of the region went on"
+    [wc] = pair.waiter.wait(1)
+    assert wc.status is WcStatus.SUCCESS  # the copy had begun: it ends as it went
+
+
 def test_a_bad_message_ends_only_its_own_connection(pairs: PairFactory) -> None:
     pair = pairs()
     fake = FakeInitiator(cma(pair.b.backend))
