@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from moriio_async.backends import open_backend
 from moriio_async.backends.base import MemoryRegion, QpState
 from moriio_async.backends.cma import CmaBackend, CmaOptions, CmaQueuePair, VendorErr, initiator, wire
 from moriio_async.backends.cma.inuse import ANY, InUse
-from moriio_async.backends.cma.iov import segments, window
+from moriio_async.backends.cma.iov import Mover, segments, window
 from moriio_async.backends.tcp import TcpOptions
 from moriio_async.errors import InvalidArgument
 from moriio_async.status import Access, Opcode, WcStatus
@@ -135,6 +137,33 @@ def test_shared_allocation_moves_bytes_through_the_mapping_and_is_unmapped_on_re
     before = shared.copy()
     wcs = pair.run([to(mr, pair, 101, Opcode.RDMA_WRITE, [(0, 4096)], 0)])
     assert statuses(wcs) == [WcStatus.REM_ACCESS_ERR]
+    assert np.array_equal(shared, before)
+
+
+def test_an_allocation_revoked_while_its_fd_was_on_the_way_is_not_kept_mapped(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target deregisters the allocation's only region after it sent the fd, before the initiator
+    mapped it: the mapping is dropped at once (no live region needs it; no later revocation would come
+    to drop it), and the write is refused with nothing moved."""
+    pair = pairs(1 << 20, 1 << 20)
+    mr, shared = shared_region(pair, 1 << 20)
+    qp = pair.a.qp
+    assert isinstance(qp, CmaQueuePair) and qp.link is not None
+    link = qp.link
+    real = link.fetch
+
+    def fetch_then_revoke(alloc_id: int, timeout: float) -> tuple[int, int] | None:
+        got = real(alloc_id, timeout)
+        pair.b.deregister(mr)  # returns once this initiator acknowledged the revocation
+        return got
+
+    monkeypatch.setattr(link, "fetch", fetch_then_revoke)
+    pair.a.buf[:] = 0xCD
+    before = shared.copy()
+    wcs = pair.run([to(mr, pair, 0, Opcode.RDMA_WRITE, [(0, 4096)], 0)])
+    assert statuses(wcs) == [WcStatus.REM_ACCESS_ERR]
+    assert not link.maps, "a mapping no live region needs was kept"
     assert np.array_equal(shared, before)
 
 
@@ -288,6 +317,54 @@ def test_a_target_killed_mid_batch_on_shared_memory_fails_retry_exc_then_flushes
         backend.close()
 
 
+def test_a_write_to_a_target_that_exited_fails_before_the_reader_saw_the_end(
+    backend_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into shared memory this pair has mapped, a write to a target that is gone would land in pages no
+    process reads; each window asks the target's pidfd first, so it fails RETRY_EXC_ERR (PEER_EXITED)
+    even while the reader has not yet seen the connection end (held back here)."""
+    real = initiator.receive
+
+    def late_to_see_the_end(sock: socket.socket, want_fd: bool = False) -> tuple[bytes, int | None]:
+        try:
+            return real(sock, want_fd)
+        except (OSError, wire.ProtocolError):
+            time.sleep(3.0)
+            raise
+
+    monkeypatch.setattr(initiator, "receive", late_to_see_the_end)
+    backend = open_backend(backend_name, make_options(sq_depth=32))
+    cq = backend.create_cq(64)
+    qp = backend.create_qp(cq)
+    buf = np.ones(1 << 20, np.uint8)
+    mr = backend.register_memory(memoryview(buf), Access.all())
+    proc = spawn("target", str(1 << 20), "--shared")
+    try:
+        tell(proc, dict(qp.endpoint()))
+        peer = line(proc)
+        qp.connect(peer["endpoint"])
+        waiter = CqWaiter(cq)
+
+        def write(wr_id: int) -> WorkCompletion:
+            qp.post_send([WorkRequest(wr_id, Opcode.RDMA_WRITE, (Sge(mr.addr, 4096, mr.lkey),), peer["addr"],
+                                      peer["rkey"])])  # fmt: skip
+            [wc] = waiter.wait(1)
+            return wc
+
+        assert write(0).status is WcStatus.SUCCESS  # the allocation is mapped here now
+        proc.kill()
+        proc.wait()
+        wc = write(1)
+        assert (wc.status, wc.vendor_err) == (WcStatus.RETRY_EXC_ERR, VendorErr.PEER_EXITED)
+    finally:
+        proc.kill()
+        proc.communicate()
+        qp.close()
+        cq.close()
+        backend.deregister_memory(mr)
+        backend.close()
+
+
 def test_a_target_the_kernel_will_not_let_us_attach_to_fails_the_connect_with_one_clear_line(backend_name: str) -> None:
     target = spawn("target", str(1 << 20), "--undumpable")
     initiator = spawn("initiator")
@@ -385,6 +462,75 @@ def test_deregistration_waits_only_for_a_window_in_progress_and_cuts_off_one_tha
     finally:
         fake.close()
         backend.close()
+
+
+def test_an_idle_pair_whose_target_closed_stays_ready_and_its_next_request_fails_retry_exc(
+    pairs: PairFactory,
+) -> None:
+    """As on a wire: with nothing outstanding, the end of the target's pair fails nothing; the next request
+    fails RETRY_EXC_ERR naming the closed peer, and moves no byte."""
+    pair = pairs(1 << 20, 1 << 20)
+    qp = pair.a.qp
+    assert isinstance(qp, CmaQueuePair) and qp.link is not None
+    link = qp.link
+    pair.b.qp.close()
+    assert eventually(lambda: link.gone)
+    assert qp.state == QpState.RTS
+    pair.a.buf[:] = 0xEF
+    before = pair.b.buf.copy()
+    [wc] = pair.run([pair.write(0, 0, 4096, 0)])
+    assert (wc.status, wc.vendor_err) == (WcStatus.RETRY_EXC_ERR, VendorErr.PEER_CLOSED)
+    assert np.array_equal(pair.b.buf, before)
+
+
+def test_a_pair_moved_to_error_during_a_window_reports_its_request_once_as_flushed(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``to_error`` waits for the window being copied, then flushes the request; the worker, back from
+    that copy, finds the pair in ERR and reports nothing more for it (no second completion, no error)."""
+    entered, release = threading.Event(), threading.Event()
+    real = Mover.move
+
+    def held(self: Mover, *args: Any) -> tuple[int, int]:
+        entered.set()
+        release.wait(WAIT)
+        return real(self, *args)
+
+    monkeypatch.setattr(Mover, "move", held)
+    pair = pairs(4 << 20, 4 << 20, specific=CmaOptions(inline_bytes=0))  # the worker executes, not the poster
+    pair.a.qp.post_send([pair.write(0, 0, 2 << 20, 0)])
+    assert entered.wait(WAIT)
+    threading.Timer(0.2, release.set).start()  # to_error below waits for this copy
+    with caplog.at_level(logging.ERROR, logger="moriio_async"):
+        pair.a.qp.to_error()
+        [wc] = pair.waiter.wait(1)
+        assert (wc.wr_id, wc.status) == (0, WcStatus.WR_FLUSH_ERR)
+        pair.waiter.expect_none()
+    assert not caplog.records, caplog.text
+
+
+def test_deregistering_a_local_region_returns_only_after_the_copy_out_of_it_ended(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write's window reads this backend's region right now: its deregistration waits for that copy
+    (the application may free the memory once it returns)."""
+    entered, release = threading.Event(), threading.Event()
+    real = Mover.move
+
+    def held(self: Mover, *args: Any) -> tuple[int, int]:
+        entered.set()
+        release.wait(WAIT)
+        return real(self, *args)
+
+    monkeypatch.setattr(Mover, "move", held)
+    pair = pairs(4 << 20, 4 << 20, specific=CmaOptions(inline_bytes=0))
+    pair.a.qp.post_send([pair.write(0, 0, 2 << 20, 0)])
+    assert entered.wait(WAIT)
+    threading.Timer(0.2, release.set).start()
+    pair.a.deregister(pair.a.mr)
+    assert release.is_set(), "the deregistration returned while a copy out of the region went on"
+    [wc] = pair.waiter.wait(1)
+    assert wc.status is WcStatus.SUCCESS  # the copy had begun: it ends as it went
 
 
 def test_a_bad_message_ends_only_its_own_connection(pairs: PairFactory) -> None:

@@ -14,7 +14,7 @@ from moriio_async.backends import open_backend
 from moriio_async.backends.base import QpState
 from moriio_async.backends.described import TcpFacts
 from moriio_async.backends.tcp import Fault, Hooks, TcpOptions, TcpQueuePair, VendorErr, iov
-from moriio_async.backends.tcp.wire import peer_progress
+from moriio_async.backends.tcp.wire import MAX_CHUNK, peer_progress
 from moriio_async.core.faultplan import Action, FaultPlan, FaultRule
 from moriio_async.errors import InvalidArgument, MoriioError
 from moriio_async.status import Access, Opcode, WcStatus
@@ -71,6 +71,20 @@ def test_target_check_is_named_in_vendor_err(pairs: PairFactory) -> None:
     pair = pairs()
     [wc] = pair.run([pair.write(0, 0, 4096, pair.b.mr.length - 1)])
     assert wc.status is WcStatus.REM_ACCESS_ERR and wc.vendor_err == VendorErr.REMOTE_OUT_OF_BOUNDS
+
+
+@pytest.mark.parametrize("opcode", [Opcode.RDMA_WRITE, Opcode.RDMA_READ])
+def test_a_batch_cut_into_a_full_chunk_and_a_rest_lands_whole(pairs: PairFactory, opcode: Opcode) -> None:
+    """The sender cuts a batch of small requests at MAX_CHUNK requests: the target serves a chunk of
+    exactly that many (the largest the wire allows), then the rest."""
+    n, size = MAX_CHUNK + 5, 16
+    pair = pairs(sq_depth=2 * MAX_CHUNK)
+    pair.a.buf[: n * size] = np.arange(n * size, dtype=np.uint64).astype(np.uint8)
+    expected = (pair.a if opcode is Opcode.RDMA_WRITE else pair.b).buf[: n * size].copy()
+    wrs = [pair.wr(i, opcode, [(i * size, size)], i * size, signaled=i == n - 1) for i in range(n)]
+    [wc] = pair.run(wrs)
+    assert (wc.wr_id, wc.status) == (n - 1, WcStatus.SUCCESS)
+    assert np.array_equal(pair.a.buf[: n * size], expected) and np.array_equal(pair.b.buf[: n * size], expected)
 
 
 def test_describe_names_the_data_port(backend_name: str) -> None:

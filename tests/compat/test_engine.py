@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import logging
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,7 @@ from moriio_async.compat.mori import (
     MemoryLocationType,
     RdmaBackendConfig,
     StatusCode,
+    TransferStatus,
     XgmiBackendConfig,
 )
 from moriio_async.compat.mori import desc as desc_module
@@ -226,6 +230,82 @@ def test_deregister_remote_engine(pair: tuple[IOEngine, IOEngine]) -> None:
     assert session.write(0, 0, 8).WaitFor(10_000) is StatusCode.SUCCESS
 
 
+def test_deregistering_memory_closes_the_engine_level_session_on_it_and_others_go_on(
+    pair: tuple[IOEngine, IOEngine],
+) -> None:
+    a, b = pair
+    register(b, 64)  # b's first region: the id of b's region below differs from a's deregistered one
+    y, my = register(b, 256, fill=0)
+    x, mx = register(a, 256)
+    z, mz = register(a, 256)
+
+    def opened() -> int:
+        return on_loop(a, lambda: a.aio.statistics().peers.opened_qps)
+
+    assert a.write(mz, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
+    kept = opened()
+    assert a.write(mx, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
+    assert opened() > kept and np.array_equal(x, y)
+    a.deregister_memory(mx)
+    deadline = time.monotonic() + 5
+    while opened() != kept:  # mx's cached session closed; mz's stays open
+        assert time.monotonic() < deadline, "the engine-level session on the deregistered memory was not closed"
+        time.sleep(0.005)
+    assert a.write(mz, 0, my, 0, 256).WaitFor(10_000) is StatusCode.SUCCESS
+    assert opened() == kept and np.array_equal(z, y)
+
+
+def test_a_call_made_as_its_pairs_session_opens_runs_after_the_calls_that_waited_for_it(
+    pair: tuple[IOEngine, IOEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine-level calls for one pair keep their order, also the one that reaches the loop after the
+    session opened but before the calls waiting for it were posted: two writes to the same bytes land
+    in the order they were made (the later one's bytes stay)."""
+    a, b = pair
+    x, mx = register(a, 16)
+    x[:8], x[8:] = 1, 2
+    y, my = register(b, 8, fill=0)
+    real = a.aio.create_session
+    later: list[TransferStatus] = []
+
+    async def open_then_call(*args: Any, **kwargs: Any) -> Any:
+        session = await real(*args, **kwargs)
+        later.append(a.write(mx, 8, my, 0, 8))  # reaches the loop before the open's waiting calls run
+        return session
+
+    monkeypatch.setattr(a.aio, "create_session", open_then_call)
+    assert a.write(mx, 0, my, 0, 8).WaitFor(10_000) is StatusCode.SUCCESS
+    assert len(later) == 1 and later[0].WaitFor(10_000) is StatusCode.SUCCESS
+    assert (y == 2).all()
+
+
+def test_a_remote_engine_registered_again_while_a_call_to_it_opened_its_session_stays_known(
+    pair: tuple[IOEngine, IOEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deregistering a peer while an accepted call still opens its session forgets it only once that open
+    ended, and not at all if it was registered again meanwhile: later calls and notifications reach it."""
+    a, b = pair
+    x, mx = register(a, 64)
+    y, my = register(b, 64, fill=0)
+    real = a.aio.create_session
+    go = threading.Event()
+
+    async def held_open(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.get_running_loop().run_in_executor(None, go.wait, 10)  # until re-registered
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(a.aio, "create_session", held_open)
+    accepted = a.write(mx, 0, my, 0, 64)
+    a.deregister_remote_engine(b.get_engine_desc())
+    a.register_remote_engine(b.get_engine_desc())
+    go.set()
+    assert accepted.WaitFor(10_000) is StatusCode.SUCCESS and np.array_equal(x, y)
+    a.notify(b.key, b"still known")
+    assert b.recv_notification(timeout=10) == (a.key, b"still known")
+    session = a.create_session(mx, my)
+    assert session is not None and session.write(0, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
+
+
 def test_descriptors_pack_unpack_and_refuse_garbage(pair: tuple[IOEngine, IOEngine]) -> None:
     a, _ = pair
     desc = a.get_engine_desc()
@@ -338,8 +418,22 @@ def test_backend_types_and_config_defaults() -> None:
         assert engine.aio.backend_name == "tcp"
         assert (engine.aio.config.sq_depth, engine.aio.config.max_sge) == (64, 4)
         engine.create_backend(BackendType.TCP)  # a second time: logged and skipped, as in MoRI-IO
+        assert (engine.aio.config.sq_depth, engine.aio.config.max_sge) == (64, 4)  # the first one's settings stay
     finally:
         engine.close()
+
+
+def test_creating_a_backend_type_again_is_logged_and_skipped_with_its_config(
+    pair: tuple[IOEngine, IOEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = pair
+    with caplog.at_level(logging.WARNING, logger="moriio_async"):
+        a.create_backend(BackendType.RDMA, RdmaBackendConfig(qp_per_transfer=2))
+    assert "Backend type BackendType.RDMA already exists, skip duplicate creation" in caplog.messages
+    _, mx = register(a, 64)
+    _, my = register(b, 64)
+    session = a.create_session(mx, my)
+    assert session is not None and len(session.stripes) == 1  # the first creation's config stays
 
 
 def test_mori_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from moriio_async.compat.mori import IOEngine, MemoryLocationType, RdmaBackendConfig, StatusCode, TransferStatus
+from moriio_async.compat.mori.loop import LoopThread
 
 from .conftest import make_pair, on_loop, register
 from .test_inbound import wait_inbound
@@ -21,6 +22,18 @@ ROUNDS = 25
 BLOCK = 4096
 BLOCKS = 16  # per thread
 SLICE = BLOCK * BLOCKS
+
+
+@pytest.mark.parametrize(("kind", "env"), [("asyncio", "uvloop"), ("uvloop", "asyncio"), (None, "asyncio")])
+def test_a_loop_thread_runs_the_loop_kind_it_is_given_else_the_environments(
+    monkeypatch: pytest.MonkeyPatch, kind: str | None, env: str
+) -> None:
+    monkeypatch.setenv("MORIIO_COMPAT_LOOP", env)
+    thread = LoopThread(f"kind-{kind}", kind)
+    try:
+        assert ("uvloop" in type(thread.loop).__module__) == ((kind or env) == "uvloop")
+    finally:
+        thread.stop()
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])

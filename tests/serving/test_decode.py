@@ -164,6 +164,53 @@ async def test_reads_that_time_out_are_aborted_before_their_blocks_are_reused() 
         await close(s)
 
 
+async def test_a_read_timing_out_behind_one_that_succeeded_is_aborted_before_the_blocks_are_reused() -> None:
+    """Prefill's NIC answers the first layer's read and stalls the second: one read is still pending at the
+    deadline, which is enough to abort the session before the blocks go back to the pool."""
+    hooks = PlanHooks(FaultPlan((FaultRule(Action.STALL, qp=None, wr=2),)))  # the second layer's first request
+    s = await stand("tcp", transfer_timeout=0.3, hooks=hooks)
+    try:
+        pool = s.decode.inst.pool
+        with pytest.raises(ServingError) as info:
+            await s.decode.generate(read_request(s, [0, 1]))
+        assert (info.value.status, info.value.cause) == (502, "prefill")
+        assert (sample(s, "succeeded", "read"), sample(s, "timed_out", "read")) == (1, 1)
+        again = pool.try_allocate(pool.num_blocks)
+        assert again is not None
+        pool.array.view(np.uint8)[...] = 0  # what the first read landed: gone; only a late read could refill it
+        hooks.release()
+        session = await s.decode.inst.session_to(s.ref, cause="prefill")
+        last = pool.num_blocks - 1
+        await session.read(s.layout.offset(0, 0, last), s.layout.offset(0, 0, 0), 1)  # after it, in pair order
+        assert not pool.array[:, :, : pool.num_blocks - 1].view(np.uint8).any()
+        pool.free(again)
+    finally:
+        hooks.release()
+        await close(s)
+
+
+async def test_a_request_cancelled_while_its_reads_are_in_flight_aborts_them_and_frees_every_block() -> None:
+    """The request's task is cancelled (its client went away) while prefill's NIC stalls a read: the session
+    is aborted, prefill hears release, and every block the request allocated goes back to the pool."""
+    hooks = PlanHooks(FaultPlan((FaultRule(Action.STALL, qp=None, wr=0),)))
+    s = await stand("tcp", hooks=hooks)
+    try:
+        pool = s.decode.inst.pool
+        task = asyncio.create_task(s.decode.generate(read_request(s, [0, 1])))
+        while not hooks.applied:  # noqa: ASYNC110 (polls the NIC's hooks: no event says the read stalls)
+            await asyncio.sleep(0.005)
+        assert pool.stats()["free"] < BLOCKS
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pool.stats()["free"] == BLOCKS and pool.stats()["in_flight"] == 0
+        note = await s.prefill.recv_notification(timeout=10)
+        assert note.peer == "decode-0" and control_decoder().decode(note.data) == Release("r1")
+    finally:
+        hooks.release()
+        await close(s)
+
+
 # -- WRITE mode: a prefill and a decode instance in one process ----------------------------------------
 
 

@@ -259,6 +259,29 @@ async def test_rendezvous_ends_a_claim_whose_slot_outlived_its_ttl() -> None:
     assert rv.deliver(blocks_msg("slow")) == ""  # a new slot: the tombstone went with the ttl
 
 
+async def test_rendezvous_a_met_slots_ttl_does_not_end_a_later_slot_of_the_same_id() -> None:
+    """A request id met once may come again (a retry on this instance): the first slot's ttl ended with
+    it, so the new slot lives its own ttl (its blocks are neither handed back nor refused early)."""
+    ttl, loop = 0.5, asyncio.get_running_loop()
+    for _ in range(5):  # a loop stalled past the second slot's ttl breaks the premise: try again
+        orphans: list[str] = []
+        rv = Rendezvous(ttl=ttl, limit=8, on_orphan=lambda m, why: orphans.append(why))  # noqa: B023
+        assert rv.deliver(blocks_msg("again")) == ""
+        first_due = loop.time() + ttl  # the first slot's ttl ends by then
+        assert (await rv.claim("again", 1)).request_id == "again"
+        await asyncio.sleep(0.4)
+        second_due = loop.time() + ttl  # the second slot's ttl ends after this
+        assert rv.deliver(blocks_msg("again")) == ""
+        await asyncio.sleep(first_due + 0.001 - loop.time())  # resumes after every timer due by first_due ran
+        if loop.time() >= second_due:
+            continue
+        assert len(rv) == 1 and orphans == []
+        assert (await rv.claim("again", 1)).request_id == "again"
+        assert len(rv) == 0 and orphans == []
+        return
+    pytest.fail("the loop stalled past the second slot's ttl at every try")
+
+
 async def test_rendezvous_hands_back_blocks_that_came_as_the_claim_gave_up() -> None:
     orphans: list[tuple[str, str]] = []
     rv = Rendezvous(ttl=5, limit=8, on_orphan=lambda m, why: orphans.append((m.request_id, why)))

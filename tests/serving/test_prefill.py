@@ -153,6 +153,26 @@ async def test_a_write_lands_each_block_where_decode_asked_and_write_done_carrie
         assert registry.get_sample_value(f"moriio_{name}_total", {"op": "write"}) == value  # a batch a layer
 
 
+async def test_the_proxys_exposed_time_includes_sending_write_done(
+    stand: Stand, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode waits for write_done, not for the bytes: the figure prefill answers the proxy with runs until
+    write_done has left, so it exceeds the one write_done carries by at least the send's time."""
+    s = stand
+    real = s.server.inst.notify
+
+    async def slow_notify(ref: EngineRef, msg: ControlMessage) -> None:
+        await asyncio.sleep(0.06)  # a send that takes this long (0.01 s spare for a timer's early wake-up)
+        await real(ref, msg)
+
+    monkeypatch.setattr(s.server.inst, "notify", slow_notify)
+    assert s.server.rendezvous.deliver(offer(s, "slow", [2, 5])) == ""
+    answer = await s.server.prefill(PrefillRequest("slow", PROMPT, "write"))
+    note = await s.note()
+    assert isinstance(note, WriteDone)
+    assert answer.stats.exposed_s >= note.stats.exposed_s + 0.05
+
+
 @pytest.mark.parametrize(
     ("block_ids", "why"),
     [
