@@ -650,6 +650,37 @@ async def test_a_request_cancelled_during_its_attempt_cancels_its_legs_and_is_no
         assert all(e.in_flight == 0 and e.healthy for e in proxy.fleet.endpoints)
 
 
+async def test_a_request_cancelled_again_while_its_legs_wind_down_still_ends_cancelled() -> None:
+    """WRITE: a second cancellation (the server stopping after the client left) lands while both legs still
+    close their connections: the request ends cancelled all the same, and nothing stays in flight."""
+    both, never = asyncio.Event(), asyncio.Event()
+    legs: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/prefill", "/generate"):
+            legs.append(request.url.path)
+            if len(legs) == 2:
+                both.set()
+            try:
+                await never.wait()
+            finally:
+                await asyncio.sleep(0)  # closing a connection takes a turn of the loop
+        return Fake("", 0, b"")(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        proxy = Proxy(ProxySettings(PREFILL, DECODE, SMALL, mode="write"), client)
+        await proxy.fleet.check_all()
+        task = asyncio.create_task(proxy.open([1, 2], 2, "cmpl-1"))
+        await both.wait()
+        task.cancel()
+        await asyncio.sleep(0)  # the attempt has cancelled its legs and waits for them
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # the legs end
+        assert all(e.in_flight == 0 for e in proxy.fleet.endpoints)
+
+
 async def test_write_mode_blames_prefill_when_decode_says_prefill_failed() -> None:
     """WRITE: prefill answered, decode refused naming prefill as the cause (it never pushed): the prefill
     instance is left out and the retry counted against it."""
