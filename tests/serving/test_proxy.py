@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import httpx
 import msgspec
 import pytest
 from fastapi import FastAPI
+from starlette.types import Message
 
 from moriio_async.serving.api import ApiError, CompletionRequest
 from moriio_async.serving.config import InstanceSettings, ProxySettings
@@ -25,6 +28,7 @@ from moriio_async.serving.messages import (
     ErrorBody,
     InstanceHealth,
     PrefillResponse,
+    TokenLine,
     TransferStats,
 )
 from moriio_async.serving.model import Model, ModelConfig, decode_text, encode
@@ -107,7 +111,7 @@ async def run(fake: Fake, mode: str) -> tuple[ApiError, float]:
 async def test_a_non_retryable_4xx_gives_one_attempt_and_a_502(mode: str, leg: str, status: int, body: bytes) -> None:
     fake = Fake(leg, status, body)
     err, retries = await run(fake, mode)
-    assert err.status == 502 and "the request failed" in str(err)
+    assert err.status == 502 and "the request failed" in str(err) and err.type == "server_error"
     assert fake.calls[leg] == 1  # one attempt: no other instance was asked
     assert retries == 0
 
@@ -221,16 +225,23 @@ async def test_a_streamed_completion_is_the_reference_chunk_by_chunk_then_usage_
         last, usage = chunks[4], chunks[5]
         assert last["choices"][0]["finish_reason"] == "length" and last["kv_transfer"]["mode"] == mode
         assert usage["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
-        assert len(chunks) == 6 and len({c["id"] for c in chunks}) == 1
+        assert len(chunks) == 6 and len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+        assert {(c["model"], c["created"]) for c in chunks} == {(SMALL.name, chunks[0]["created"])}
+        assert isinstance(chunks[0]["created"], int)
+        assert last["choices"][0]["text"] == "" and usage["choices"] == []
         await pools_whole(fleet)
 
 
 async def test_the_proxy_lists_its_model_and_its_instances_and_counts_requests(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    before = int(time.time())
     async with in_process("write", monkeypatch) as fleet:
         models = (await fleet.proxy.get("/v1/models")).json()
         assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(SMALL.name, SMALL.max_model_len)]
+        assert before <= models["data"][0]["created"] <= time.time()  # when the proxy started
+        openapi = (await fleet.proxy.get("/openapi.json")).json()
+        assert openapi["info"]["title"] == "moriio_async disaggregated serving proxy"
         health = await fleet.proxy.get("/health")
         assert health.status_code == 200 and health.json()["ready"] is True and health.json()["mode"] == "write"
         assert [(i["url"], i["healthy"]) for i in health.json()["instances"]] == [
@@ -326,11 +337,18 @@ async def open_with(handler: httpx.MockTransport, mode: str = "read") -> tuple[P
         return proxy, info.value, retries
 
 
-async def test_a_retryable_failure_blames_the_instance_its_error_names() -> None:
-    """Prefill refuses because of decode (``cause``): the decode instance is left out, not the prefill one."""
+async def test_a_retryable_failure_blames_the_instance_its_error_names(caplog: pytest.LogCaptureFixture) -> None:
+    """Prefill refuses because of decode (``cause``): the decode instance is left out, not the prefill one;
+    each failed attempt is logged with its number, the completion's id and its cause."""
+    caplog.set_level(logging.INFO, logger="moriio_async.serving")
     fake = Fake("/prefill", 503, error(True, "decode"))
     proxy, err, retries = await open_with(httpx.MockTransport(fake))
-    assert err.status == 503 and err.code == "no_healthy_instance"
+    assert (err.status, err.code, err.type) == (503, "no_healthy_instance", "server_error")
+    causes = str(err).removeprefix("no instance could serve the request: ").split("; ")
+    assert len(causes) == 3 and all(c.startswith("prefill http://prefill-") for c in causes[:2])
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("attempt")] == [
+        f"attempt 1 of cmpl-1 failed: {causes[0]}", f"attempt 2 of cmpl-1 failed: {causes[1]}"
+    ]  # fmt: skip
     assert str(err).endswith("; no healthy decode instance") and str(err).count("refused") == 2
     assert fake.calls["/prefill"] == 2 and retries == Counter({"decode": 2})
     assert all(e.healthy and e.in_flight == 0 for e in proxy.fleet.endpoints), "blamed is not down"
@@ -397,3 +415,316 @@ async def test_an_error_body_naming_no_other_instance_blames_the_one_that_answer
     _, err, retries = await open_with(httpx.MockTransport(fake))
     assert err.status == 503 and str(err).endswith("; no healthy prefill instance")
     assert retries == Counter({"prefill": 2}) and fake.calls["/prefill"] == 2
+
+
+# -- scripted instances behind the proxy: what decode streams, and how it fails ----------------------
+
+
+class Lines(httpx.AsyncByteStream):
+    """Decode's NDJSON body: ``lines``, each after ``gate`` when one is given but the first, then the end, or
+    (``reset``) a broken connection; records that the proxy closed it."""
+
+    def __init__(self, lines: list[TokenLine], reset: bool = False, gate: asyncio.Event | None = None) -> None:
+        self.lines, self.reset, self.gate, self.closed = lines, reset, gate, False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for i, line in enumerate(self.lines):
+            if i and self.gate is not None:
+                await self.gate.wait()
+            yield msgspec.json.encode(line) + b"\n"
+        if self.reset:
+            raise httpx.ReadError("connection reset")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+KV_HEADERS = {"x-kv-bytes": "4096", "x-kv-transfer-s": "0.5", "x-kv-exposed-s": "0.75"}
+ONE_TOKEN = [TokenLine(token=ord("a")), TokenLine(finish_reason="length")]
+
+
+class Scripted(Fake):
+    """Healthy instances: prefill answers at once (its stats ``stats``), decode streams ``lines`` with
+    ``headers``; records the request id and deadline of each leg and the deadline of each health poll."""
+
+    def __init__(self, lines: list[TokenLine], headers: dict[str, str] | None = None, reset: bool = False) -> None:
+        super().__init__("", 0, b"")
+        self.lines, self.headers, self.reset = lines, headers or {}, reset
+        self.stats = TransferStats(exposed_s=0.25)
+        self.gate: asyncio.Event | None = None
+        self.streams: list[Lines] = []
+        self.legs: list[tuple[str, str, object]] = []
+        self.polls: list[object] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path, timeout = request.url.path, request.extensions["timeout"]
+        if path == "/health":
+            self.polls.append(timeout)
+        if path not in ("/prefill", "/generate"):
+            return super().__call__(request)
+        self.calls[path] += 1
+        rid = msgspec.json.decode(request.content)["request_id"]
+        self.legs.append((path, rid, timeout))
+        if path == "/prefill":
+            ref = EngineRef(request.url.host, "127.0.0.1:1", 1)
+            return httpx.Response(200, content=msgspec.json.encode(PrefillResponse(rid, 9, self.stats, ref, [0])))
+        stream = Lines(self.lines, self.reset, self.gate)
+        self.streams.append(stream)
+        return httpx.Response(200, headers=self.headers, stream=stream)
+
+
+@contextlib.asynccontextmanager
+async def proxy_over(
+    handler: Fake, monkeypatch: pytest.MonkeyPatch, mode: str = "read", **settings: float
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The proxy app (one prefill, one decode instance) over instances answered by ``handler``."""
+    client_class = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **_kw: client_class(transport=httpx.MockTransport(handler)))
+    config = ProxySettings(["http://prefill-0"], ["http://decode-0"], SMALL, mode=mode, **settings)  # type: ignore[arg-type]
+    app = create_proxy_app(config)
+    async with app.router.lifespan_context(app):
+        monkeypatch.undo()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as proxy:
+            yield proxy
+
+
+def sample(metrics: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")))
+
+
+async def decode_counts(proxy: httpx.AsyncClient) -> tuple[int, int]:
+    """The decode instance's requests in flight and served, as the proxy's /health lists them."""
+    info = next(i for i in (await proxy.get("/health")).json()["instances"] if i["role"] == "decode")
+    return info["in_flight"], info["served"]
+
+
+@pytest.mark.parametrize("headers", [KV_HEADERS, {}], ids=["kv-headers", "no-kv-headers"])
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_completion_reports_decodes_kv_figures_under_the_ids_and_deadlines_the_instances_saw(
+    mode: str, headers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer's ``kv_transfer`` is decode's ``x-kv-*`` headers (0 when it sends none), but WRITE's exposed
+    time is prefill's (it ends when write_done left); each leg runs under ``<completion id>-0`` and the leg
+    deadline, each health poll under twice the poll interval."""
+    fake = Scripted(ONE_TOKEN, headers)
+    async with proxy_over(fake, monkeypatch, mode, health_interval=2.0) as proxy:
+        resp = await proxy.post("/v1/completions", json={"model": SMALL.name, "prompt": "hi", "max_tokens": 1})
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        kv = answer["kv_transfer"]
+        exposed = 0.25 if mode == "write" else (0.75 if headers else 0.0)
+        figures = (4096, 0.5) if headers else (0, 0.0)
+        assert (kv["bytes"], kv["transfer_s"], kv["exposed_s"], kv["attempts"]) == (*figures, exposed, 1)
+        assert answer["id"].startswith("cmpl-") and answer["choices"][0]["text"] == "a"
+        settings = ProxySettings(PREFILL, DECODE, SMALL)
+        deadline = {"connect": settings.control_timeout, "read": settings.leg_timeout}
+        deadline |= {"write": settings.leg_timeout, "pool": settings.leg_timeout}
+        assert sorted(fake.legs) == [
+            ("/generate", answer["id"] + "-0", deadline), ("/prefill", answer["id"] + "-0", deadline)
+        ]  # fmt: skip
+        assert fake.polls and all(t == dict.fromkeys(("connect", "read", "write", "pool"), 4.0) for t in fake.polls)
+        metrics = (await proxy.get("/metrics")).text
+        assert sample(metrics, "moriio_proxy_kv_transfer_seconds_sum") == exposed
+        assert sample(metrics, "moriio_proxy_ttft_seconds_count") == 1
+        assert 0 <= sample(metrics, "moriio_proxy_ttft_seconds_sum") < 60  # a duration, not a clock reading
+        assert await decode_counts(proxy) == (0, 1) and fake.streams[0].closed
+
+
+async def test_streamed_completions_without_usage_end_with_an_empty_last_chunk_and_are_each_counted_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = Scripted(ONE_TOKEN, KV_HEADERS)
+    async with proxy_over(fake, monkeypatch) as proxy:
+        for options in ({}, {"stream_options": {"include_usage": False}}):
+            body = {"model": SMALL.name, "prompt": "hi", "max_tokens": 1, "stream": True} | options
+            resp = await proxy.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
+            assert events[-1] == "[DONE]" and len(events) == 3  # the token, the last chunk: no usage chunk
+            first, last = (msgspec.json.decode(e) for e in events[:2])
+            assert first["choices"][0]["text"] == "a" and first["id"].startswith("cmpl-")
+            assert last["choices"][0] == {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
+            assert {(c["id"], c["model"], c["created"]) for c in (first, last)} == {
+                (first["id"], SMALL.name, first["created"])
+            }  # fmt: skip
+            assert last["kv_transfer"]["exposed_s"] == 0.75
+        metrics = (await proxy.get("/metrics")).text
+        assert sample(metrics, "moriio_proxy_ttft_seconds_count") == 2  # once each, at its one token
+        assert 0 <= sample(metrics, "moriio_proxy_ttft_seconds_sum") < 60
+        assert await decode_counts(proxy) == (0, 2)
+        assert all(s.closed for s in fake.streams)
+
+
+@pytest.mark.parametrize("how", ["reset", "finish-error", "cut"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+async def test_a_decode_failing_mid_stream_is_a_502_or_an_error_event(
+    how: str, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After its first token decode breaks the connection, ends with finish_reason error, or just ends: a plain
+    completion is a 502; a streamed one (200 already sent) ends with an error event and no ``[DONE]``."""
+    lines = [TokenLine(token=ord("a"))] + ([TokenLine(finish_reason="error")] if how == "finish-error" else [])
+    fake = Scripted(lines, KV_HEADERS, reset=how == "reset")
+    async with proxy_over(fake, monkeypatch) as proxy:
+        body = {"model": SMALL.name, "prompt": "hi", "max_tokens": 4, "stream": stream}
+        resp = await proxy.post("/v1/completions", json=body)
+        why = "connection reset" if how == "reset" else "decode ended the stream without finishing the completion"
+        if stream:
+            assert resp.status_code == 200
+            events = [msgspec.json.decode(e.removeprefix("data: ")) for e in resp.text.split("\n\n") if e]
+            assert len(events) == 2 and events[0]["choices"][0]["text"] == "a"
+            err = events[1]["error"]
+            assert err["message"] == f"decode http://decode-0 failed mid-stream: {why}"
+        else:
+            assert resp.status_code == 502
+            err = resp.json()["error"]
+            message = "decode http://decode-0 failed mid-stream"
+            assert err["message"] == (f"{message}: {why}" if how == "reset" else message)
+            assert 'status="502"} 1.0' in (await proxy.get("/metrics")).text
+        assert err["type"] == "server_error"
+        assert await decode_counts(proxy) == (0, 1) and fake.streams[0].closed
+
+
+async def test_the_proxy_answers_once_decode_has_the_kv_while_it_still_generates() -> None:
+    """``open`` returns with decode's first line (its generation goes on): two such streams are two requests
+    in flight on the decode instance, until each is finished."""
+    fake = Scripted([TokenLine(token=1), TokenLine(token=2), TokenLine(finish_reason="length")])
+    fake.gate = asyncio.Event()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+        proxy = Proxy(ProxySettings(PREFILL[:1], DECODE[:1], SMALL), client)
+        await proxy.fleet.check_all()
+        async with asyncio.timeout(10):  # only against a hang: an unstreamed leg waits for the gate forever
+            atts = [await proxy.open([1, 2], 2, f"cmpl-{i}") for i in range(2)]
+            firsts = [await anext(proxy.tokens(att)) for att in atts]
+        assert firsts == [TokenLine(token=1)] * 2 and not any(s.closed for s in fake.streams)
+        decode = proxy.fleet.of("decode")[0]
+        assert decode.in_flight == 2
+        fake.gate.set()
+        for att in atts:
+            await proxy.finish(att)
+        assert (decode.in_flight, decode.served) == (0, 2) and all(s.closed for s in fake.streams)
+
+
+async def test_a_client_gone_before_its_stream_started_still_ends_the_request() -> None:
+    """The response's background task finishes the request when the stream never ran (the client left first):
+    decode's stream is closed and its instance no longer counts the request in flight."""
+    fake = Scripted(ONE_TOKEN)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+        proxy = Proxy(ProxySettings(PREFILL[:1], DECODE[:1], SMALL), client)
+        await proxy.fleet.check_all()
+        resp = await proxy.complete(CompletionRequest(model=SMALL.name, prompt="hi", max_tokens=1, stream=True))
+        sent: list[Message] = []
+
+        async def gone() -> Message:
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+            await asyncio.sleep(0)  # a server's send yields to its transport: the disconnect is seen there
+
+        await resp({"type": "http", "asgi": {"spec_version": "2.0"}}, gone, send)
+        assert [m["type"] for m in sent] == ["http.response.start"]
+        decode = proxy.fleet.of("decode")[0]
+        assert fake.streams[0].closed and (decode.in_flight, decode.served) == (0, 1)
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+async def test_a_request_cancelled_during_its_attempt_cancels_its_legs_and_is_not_in_flight(mode: str) -> None:
+    """The client went away while the legs ran: the cancellation goes through, and no instance is left with the
+    request counted in flight."""
+    arrived, never = asyncio.Event(), asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/prefill", "/generate"):
+            arrived.set()
+            await never.wait()
+        return Fake("", 0, b"")(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        proxy = Proxy(ProxySettings(PREFILL, DECODE, SMALL, mode=mode), client)  # type: ignore[arg-type]
+        await proxy.fleet.check_all()
+        task = asyncio.create_task(proxy.open([1, 2], 2, "cmpl-1"))
+        await arrived.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(e.in_flight == 0 and e.healthy for e in proxy.fleet.endpoints)
+
+
+async def test_a_request_cancelled_again_while_its_legs_wind_down_still_ends_cancelled() -> None:
+    """WRITE: a second cancellation (the server stopping after the client left) lands while both legs still
+    close their connections: the request ends cancelled all the same, and nothing stays in flight."""
+    both, never = asyncio.Event(), asyncio.Event()
+    legs: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/prefill", "/generate"):
+            legs.append(request.url.path)
+            if len(legs) == 2:
+                both.set()
+            try:
+                await never.wait()
+            finally:
+                await asyncio.sleep(0)  # closing a connection takes a turn of the loop
+        return Fake("", 0, b"")(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        proxy = Proxy(ProxySettings(PREFILL, DECODE, SMALL, mode="write"), client)
+        await proxy.fleet.check_all()
+        task = asyncio.create_task(proxy.open([1, 2], 2, "cmpl-1"))
+        await both.wait()
+        task.cancel()
+        await asyncio.sleep(0)  # the attempt has cancelled its legs and waits for them
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # the legs end
+        assert all(e.in_flight == 0 for e in proxy.fleet.endpoints)
+
+
+async def test_write_mode_blames_prefill_when_decode_says_prefill_failed() -> None:
+    """WRITE: prefill answered, decode refused naming prefill as the cause (it never pushed): the prefill
+    instance is left out and the retry counted against it."""
+    fake = Fake("/generate", 503, error(True, "prefill"))
+    _, err, retries = await open_with(httpx.MockTransport(fake), "write")
+    assert err.status == 503 and str(err).endswith("; no healthy prefill instance")
+    assert retries == Counter({"prefill": 2}) and fake.calls["/generate"] == 2
+
+
+async def test_write_mode_aborts_decode_when_prefill_failed_first() -> None:
+    """WRITE: prefill refuses at once while decode waits for its push: decode is the one told to give up."""
+    fake = Fake("/prefill", 503, error(True, "prefill"))
+    aborted: dict[str, asyncio.Event] = {}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        rid = msgspec.json.decode(request.content)["request_id"] if request.content else ""
+        if path == "/generate":
+            fake.calls[path] += 1
+            await aborted.setdefault(rid, asyncio.Event()).wait()
+            return httpx.Response(503, content=error(True, "prefill"))
+        if path == "/abort":
+            aborted.setdefault(rid, asyncio.Event()).set()
+        return fake(request)
+
+    proxy, err, retries = await open_with(httpx.MockTransport(handler), "write")
+    assert err.status == 503 and retries == Counter({"prefill": 2})
+    assert {body.request_id for _, body, _ in fake.aborts} == {"cmpl-1-0", "cmpl-1-1"}
+    assert all(host.startswith("decode-") for host, _, _ in fake.aborts)
+    assert all(e.in_flight == 0 for e in proxy.fleet.endpoints)
+
+
+async def test_write_mode_closes_decodes_stream_when_prefill_failed_after_decode_answered() -> None:
+    """WRITE: decode answered (its stream open), prefill failed: the attempt fails and decode's stream is
+    closed, so decode ends its generation instead of holding its blocks for nobody."""
+    fake = Scripted(ONE_TOKEN)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/prefill":
+            fake.calls["/prefill"] += 1
+            return httpx.Response(503, content=error(True, "prefill"))
+        return fake(request)
+
+    proxy, err, retries = await open_with(httpx.MockTransport(handler), "write")
+    assert err.status == 503 and retries == Counter({"prefill": 2}) and fake.calls["/generate"] == 2
+    assert len(fake.streams) == 2 and all(s.closed for s in fake.streams)
+    assert all(e.in_flight == 0 for e in proxy.fleet.endpoints)
