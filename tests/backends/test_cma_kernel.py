@@ -61,6 +61,12 @@ def test_process_vm_writes_into_this_process_from_several_iovecs() -> None:
     assert dst.raw == b"4567890123"
 
 
+def test_process_vm_of_no_iovecs_moves_nothing_and_succeeds() -> None:
+    empty = np.zeros((0, 2), dtype=np.uint64)
+    for write in (False, True):
+        assert process_vm(os.getpid(), write, empty, empty) == (0, 0)
+
+
 def test_process_vm_to_no_such_process_is_zero_and_esrch() -> None:
     src = ctypes.create_string_buffer(b"x", 1)
     dst = ctypes.create_string_buffer(1)
@@ -136,6 +142,22 @@ def test_map_shared_read_only_maps_without_write(memfd: int) -> None:
         unmap(addr, PAGE)
 
 
+def vm_flags(addr: int) -> list[str]:
+    """The VmFlags of /proc/self/smaps for the mapping that starts at ``addr``."""
+    smaps = Path("/proc/self/smaps").read_text()
+    block = smaps[smaps.index(f"\n{addr:x}-") :]
+    return next(line.split()[1:] for line in block.splitlines() if line.startswith("VmFlags:"))
+
+
+def test_map_shared_asks_for_huge_pages(memfd: int) -> None:
+    addr = map_shared(memfd, 2 * PAGE, True)
+    try:
+        # madvise(MADV_HUGEPAGE) on the whole mapping: "hg", whatever the kernel then makes of it.
+        assert {"rd", "wr", "sh", "hg"} <= set(vm_flags(addr))
+    finally:
+        unmap(addr, 2 * PAGE)
+
+
 def test_map_shared_populates_the_pages(memfd: int) -> None:
     addr = map_shared(memfd, 2 * PAGE, False)
     try:
@@ -150,9 +172,10 @@ def test_map_shared_populates_the_pages(memfd: int) -> None:
 
 
 def test_map_shared_of_a_bad_fd_raises_oserror_with_the_errno() -> None:
-    with pytest.raises(OSError, match=f"mmap of {PAGE} bytes: {os.strerror(errno.EBADF)}") as info:
+    with pytest.raises(OSError, match=os.strerror(errno.EBADF)) as info:
         map_shared(-1, PAGE, True)
     assert info.value.errno == errno.EBADF
+    assert info.value.strerror == f"mmap of {PAGE} bytes: {os.strerror(errno.EBADF)}"
 
 
 def test_map_shared_writable_of_a_read_only_fd_is_eacces(tmp_path: Path) -> None:
@@ -170,9 +193,10 @@ def test_map_shared_writable_of_a_read_only_fd_is_eacces(tmp_path: Path) -> None
 
 
 def test_unmap_of_an_unaligned_address_raises_oserror_with_the_errno() -> None:
-    with pytest.raises(OSError, match=f"munmap: {os.strerror(errno.EINVAL)}") as info:
+    with pytest.raises(OSError, match=os.strerror(errno.EINVAL)) as info:
         unmap(PAGE + 1, PAGE)
     assert info.value.errno == errno.EINVAL
+    assert info.value.strerror == f"munmap: {os.strerror(errno.EINVAL)}"
 
 
 def test_set_ptracer_is_the_errno_of_a_failing_prctl() -> None:
