@@ -219,7 +219,7 @@ class FakePrctl:
 
 def test_set_ptracer_names_the_pid_and_is_0_on_success(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakePrctl(0)
-    monkeypatch.setattr(kernel, "_prctl", fake)
+    monkeypatch.setattr(kernel, "prctl", fake)
     assert set_ptracer(4242) == 0
     assert set_ptracer(PR_SET_PTRACER_ANY) == 0
     # -1 reaches the kernel as (unsigned long)-1, which is what Yama compares PR_SET_PTRACER_ANY with.
@@ -228,9 +228,9 @@ def test_set_ptracer_names_the_pid_and_is_0_on_success(monkeypatch: pytest.Monke
 
 
 def test_set_ptracer_is_the_errno_or_eio_when_prctl_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernel, "_prctl", FakePrctl(-1, errno.EPERM))
+    monkeypatch.setattr(kernel, "prctl", FakePrctl(-1, errno.EPERM))
     assert set_ptracer(1) == errno.EPERM
-    monkeypatch.setattr(kernel, "_prctl", FakePrctl(-1, 0))
+    monkeypatch.setattr(kernel, "prctl", FakePrctl(-1, 0))
     assert set_ptracer(1) == errno.EIO
 
 

@@ -42,9 +42,9 @@ _writev = _libc.process_vm_writev
 for _fn in (_readv, _writev):
     _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     _fn.restype = ctypes.c_ssize_t
-_prctl = _libc.prctl
-_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-_prctl.restype = ctypes.c_int
+prctl = _libc.prctl  # public: the one libc call tests replace (no Yama here to set a ptracer for real)
+prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+prctl.restype = ctypes.c_int
 _mmap = _libc.mmap
 _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _mmap.restype = ctypes.c_void_p
@@ -86,7 +86,7 @@ def set_ptracer(pid: int) -> int:
     Without Yama the call fails with EINVAL, which means no exception is needed.
     """
     arg = ctypes.c_ulong(pid).value  # -1 becomes (unsigned long)-1, as the kernel expects
-    if _prctl(PR_SET_PTRACER, arg, 0, 0, 0) < 0:
+    if prctl(PR_SET_PTRACER, arg, 0, 0, 0) < 0:
         return ctypes.get_errno() or errno.EIO
     return 0
 
