@@ -88,22 +88,27 @@ def test_a_descriptor_from_before_a_deregistration_fails_and_touches_nothing(
     assert again.rkey != stale.rkey
 
 
-def test_after_the_target_closed_its_backend_no_request_moves_a_byte(
-    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``close`` returns with every peer's next check failing as from a vanished peer (RETRY_EXC_ERR),
-    even while that peer's reader has not yet seen the connection end (held back a second here):
-    memory the application frees after ``close`` is never written. (CI caught this as a flake.)"""
+def hold_back_the_end(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The initiator's reader sees its connection end ``seconds`` late (what a busy machine can do)."""
     real = initiator.receive
 
     def late_to_see_the_end(sock: socket.socket, want_fd: bool = False) -> tuple[bytes, int | None]:
         try:
             return real(sock, want_fd)
         except (OSError, wire.ProtocolError):
-            time.sleep(1.0)
+            time.sleep(seconds)
             raise
 
     monkeypatch.setattr(initiator, "receive", late_to_see_the_end)
+
+
+def test_after_the_target_closed_its_backend_no_request_moves_a_byte(
+    pairs: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close`` returns with every peer's next check failing as from a vanished peer (RETRY_EXC_ERR),
+    even while that peer's reader has not yet seen the connection end (held back a second here):
+    memory the application frees after ``close`` is never written. (CI caught this as a flake.)"""
+    hold_back_the_end(monkeypatch, 1.0)
     pair = pairs(1 << 20, 1 << 20)
     pair.a.buf[:] = 0xCD
     before = pair.b.buf.copy()
@@ -323,16 +328,7 @@ def test_a_write_to_a_target_that_exited_fails_before_the_reader_saw_the_end(
     """Into shared memory this pair has mapped, a write to a target that is gone would land in pages no
     process reads; each window asks the target's pidfd first, so it fails RETRY_EXC_ERR (PEER_EXITED)
     even while the reader has not yet seen the connection end (held back here)."""
-    real = initiator.receive
-
-    def late_to_see_the_end(sock: socket.socket, want_fd: bool = False) -> tuple[bytes, int | None]:
-        try:
-            return real(sock, want_fd)
-        except (OSError, wire.ProtocolError):
-            time.sleep(3.0)
-            raise
-
-    monkeypatch.setattr(initiator, "receive", late_to_see_the_end)
+    hold_back_the_end(monkeypatch, 3.0)
     backend = open_backend(backend_name, make_options(sq_depth=32))
     cq = backend.create_cq(64)
     qp = backend.create_qp(cq)
