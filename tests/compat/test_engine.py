@@ -95,7 +95,11 @@ def test_engine_level_batches_move_bytes_their_own_way_and_file_their_uids_at_th
     locals_ = [local[1] for local, _ in regions]
     remotes = [remote[1] for _, remote in regions]
     offsets, sizes = [[0, 2048] for _ in regions], [[1024, 1024] for _ in regions]
+    rng = np.random.default_rng()
     for read in (True, False):
+        for (x, _), (y, _) in regions:  # fresh bytes each pass: the read pass made both sides equal where it moved
+            x[:] = rng.integers(0, 256, x.size, dtype=np.uint8)
+            y[:] = x ^ 0xFF  # differs from x at every byte, so a move the wrong way always shows
         before = [(x.copy(), y.copy()) for (x, _), (y, _) in regions]
         uids = [9000 + 10 * read + i for i in range(len(regions))]
         call = a.batch_read if read else a.batch_write
