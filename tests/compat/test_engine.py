@@ -457,3 +457,15 @@ def test_a_session_keeps_its_engine_alive_after_the_caller_dropped_it() -> None:
         if (left := engine()) is not None:
             left.close()
         b.close()
+
+
+def test_the_default_config_listens_on_loopback_at_a_free_port() -> None:
+    """``IOEngineConfig()``, as MoRI-IO's examples write it: host "" is 127.0.0.1, port 0 a free one."""
+    config = IOEngineConfig()
+    assert repr(config) == "IOEngineConfig(host='', port=0)"
+    engine = IOEngine("defaults", config)
+    try:
+        desc = engine.get_engine_desc()
+        assert desc.host == "127.0.0.1" and desc.port > 0
+    finally:
+        engine.close()
