@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import re
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ from moriio_async.compat.mori import (
 from moriio_async.compat.mori import desc as desc_module
 from moriio_async.compat.mori.desc import node_id
 from moriio_async.compat.mori.plan import check_blocks
+from moriio_async.compat.mori.runtime import NO_BACKEND
 
 from .conftest import make_pair, on_loop, options, register
 from .test_inbound import wait_inbound
@@ -99,7 +102,11 @@ def test_engine_level_batches_move_bytes_their_own_way_and_file_their_uids_at_th
     locals_ = [local[1] for local, _ in regions]
     remotes = [remote[1] for _, remote in regions]
     offsets, sizes = [[0, 2048] for _ in regions], [[1024, 1024] for _ in regions]
+    rng = np.random.default_rng()
     for read in (True, False):
+        for (x, _), (y, _) in regions:  # fresh bytes each pass: the read pass made both sides equal where it moved
+            x[:] = rng.integers(0, 256, x.size, dtype=np.uint8)
+            y[:] = x ^ 0xFF  # differs from x at every byte, so a move the wrong way always shows
         before = [(x.copy(), y.copy()) for (x, _), (y, _) in regions]
         uids = [9000 + 10 * read + i for i in range(len(regions))]
         call = a.batch_read if read else a.batch_write
@@ -389,8 +396,23 @@ def test_register_torch_tensor_cpu_and_a_clear_error_for_device_memory(pair: tup
     assert np.array_equal(y.view(np.float32), array)
     with pytest.raises(RuntimeError, match=r"cuda:0.*GPU backend"):
         a.register_torch_tensor(TensorDouble(array, FakeDevice("cuda", 0)))
-    with pytest.raises(RuntimeError, match="must be contiguous"):
+    with pytest.raises(RuntimeError, match=r"^register_torch_tensor: the tensor is on cuda: device memory"):
+        a.register_torch_tensor(TensorDouble(array, FakeDevice("cuda")))  # no index: none named
+    with pytest.raises(RuntimeError, match=r"^input tensor must be contiguous$"):  # MoRI-IO's words
         a.register_torch_tensor(TensorDouble(array, FakeDevice("cpu"), contiguous=False))
+    with pytest.raises(ValueError, match=r"^register_torch_tensor: the tensor is empty$"):
+        a.register_torch_tensor(TensorDouble(np.zeros(0, dtype=np.float32), FakeDevice("cpu")))
+    one = np.full(1, 7, dtype=np.uint8)  # the smallest tensor there is: one byte
+    mem1 = a.register_torch_tensor(TensorDouble(one, FakeDevice("cpu")))
+    assert (mem1.size, mem1.data, mem1.device_id) == (1, one.ctypes.data, -1)  # no device index: -1
+    assert a.register_torch_tensor(TensorDouble(one, FakeDevice("cpu", 3))).device_id == 3
+    held = TensorDouble(np.ones(64, dtype=np.uint8), FakeDevice("cpu"))
+    kept = weakref.ref(held)
+    a.register_torch_tensor(held)
+    del held
+    gc.collect()
+    assert kept() is not None, "the registration must keep the tensor (and so its memory) alive"
+    assert a.write(mem1, 0, my, 5, 1).WaitFor(10_000) is StatusCode.SUCCESS and y[5] == 7
 
 
 def test_register_torch_tensor_with_real_torch(pair: tuple[IOEngine, IOEngine]) -> None:
@@ -471,3 +493,73 @@ def test_a_tcp_only_peer_reaches_a_multi_transport_engine_with_its_packed_descri
     finally:
         owner.close()
         peer.close()
+
+
+def test_engine_level_calls_that_cannot_start_say_why_in_their_status(pair: tuple[IOEngine, IOEngine]) -> None:
+    """Refused before posting: the code and MoRI-IO's message, or the bad block named."""
+    a, b = pair
+    _, mx = register(a, 256)
+    _, my = register(b, 256)
+    bad = a.write(mx, 200, my, 0, 100)
+    assert (bad.Code(), bad.Message()) == (StatusCode.ERR_INVALID_ARGS, "length out of range")  # MoRI-IO's words
+    a.deregister_remote_engine(b.get_engine_desc())
+    unknown = a.write(mx, 0, my, 0, 8)
+    assert (unknown.Code(), unknown.Message()) == (StatusCode.ERR_BAD_STATE, NO_BACKEND)
+
+
+def test_an_engine_level_write_to_an_engine_that_is_gone_fails_with_the_reason() -> None:
+    a, b = make_pair("gone", "tcp")
+    try:
+        _, mx = register(a, 64)
+        _, my = register(b, 64)
+        b.close()  # still registered with a: the call is accepted, and opening its session fails
+        st = a.write(mx, 0, my, 0, 64)
+        assert st.WaitFor(10_000) is StatusCode.ERR_RDMA_OP
+        assert st.Message().startswith(f"create_session to engine {b.key!r} failed: ")
+    finally:
+        a.close()
+
+
+def test_an_engine_level_write_of_zero_bytes_is_posted_and_filed_at_the_target(pair: tuple[IOEngine, IOEngine]) -> None:
+    """Only an engine-level *batch* with nothing in it succeeds unannounced (MoRI-IO); a single call of size 0
+    goes to the target like any other, so its uid is filed there."""
+    a, b = pair
+    _, mx = register(a, 64)
+    _, my = register(b, 64)
+    uid = a.allocate_transfer_uid()
+    assert a.write(mx, 0, my, 0, 0, uid).WaitFor(10_000) is StatusCode.SUCCESS
+    deadline = time.monotonic() + 5
+    while (inbound := b.pop_inbound_transfer_status(a.key, uid)) is None:
+        assert time.monotonic() < deadline, "the target never filed the zero-byte write"
+        time.sleep(0.001)
+    assert inbound.Succeeded()
+
+
+def test_a_session_keeps_its_engine_alive_after_the_caller_dropped_it() -> None:
+    a, b = make_pair("owned", "tcp")
+    try:
+        x, mx = register(a, 64)
+        y, my = register(b, 64, fill=0)
+        session = a.create_session(mx, my)
+        assert session is not None
+        engine = weakref.ref(a)
+        del a
+        gc.collect()
+        assert engine() is not None, "the engine was collected under its live session (and closed)"
+        assert session.write(0, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS and np.array_equal(x, y)
+    finally:
+        if (left := engine()) is not None:
+            left.close()
+        b.close()
+
+
+def test_the_default_config_listens_on_loopback_at_a_free_port() -> None:
+    """``IOEngineConfig()``, as MoRI-IO's examples write it: host "" is 127.0.0.1, port 0 a free one."""
+    config = IOEngineConfig()
+    assert repr(config) == "IOEngineConfig(host='', port=0)"
+    engine = IOEngine("defaults", config)
+    try:
+        desc = engine.get_engine_desc()
+        assert desc.host == "127.0.0.1" and desc.port > 0
+    finally:
+        engine.close()

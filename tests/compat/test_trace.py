@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from moriio_async.compat.mori import RdmaBackendConfig, StatusCode
+from moriio_async.compat.mori.trace import TransferTrace
 
 from .conftest import make_pair, register
 
@@ -66,3 +68,38 @@ def test_without_the_variable_nothing_is_written(tmp_path: Path, monkeypatch: py
         a.close()
         b.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_line_is_on_disk_when_its_status_ends_before_the_engine_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vLLM demo reads the traces of servers it SIGKILLs: a line must not wait in a buffer for close."""
+    monkeypatch.setenv("MORIIO_ASYNC_TRACE", str(tmp_path))
+    a, b = make_pair("live", "tcp")
+    try:
+        _, mx = register(a, 64)
+        _, my = register(b, 64)
+        assert a.write(mx, 0, my, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
+        deadline = time.monotonic() + 5  # the line is written on the loop thread as the status ends
+        while not (lines := [line for f in tmp_path.iterdir() for line in f.read_text().splitlines()]):
+            assert time.monotonic() < deadline, "no line on disk while the engine runs"
+            time.sleep(0.005)
+        assert [(r["engine"], r["op"], r["bytes"]) for r in map(json.loads, lines)] == [(a.key, "write", 64)]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_trace_names_its_file_and_once_closed_takes_no_more_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MORIIO_ASYNC_TRACE", str(tmp_path / "t"))
+    trace = TransferTrace.from_env("e")
+    assert trace is not None and trace.path.parent == tmp_path / "t" and trace.path.suffix == ".jsonl"
+    trace.record(op="read", nbytes=8, code=0, t0=1.0, t1=2.0, transport="tcp")
+    trace.close()
+    trace.close()  # twice: nothing to close the second time
+    trace.record(op="write", nbytes=8, code=0, t0=3.0, t1=4.0, transport="tcp")  # after close: dropped, no error
+    (line,) = trace.path.read_text().splitlines()
+    assert json.loads(line) == {"engine": "e", "op": "read", "bytes": 8, "code": 0, "t0": 1.0, "t1": 2.0,
+                                "transport": "tcp"}  # fmt: skip
