@@ -563,3 +563,23 @@ def test_the_default_config_listens_on_loopback_at_a_free_port() -> None:
         assert desc.host == "127.0.0.1" and desc.port > 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [("1", True), ("TRUE", True), (" on ", True), ("yes", True), ("0", False), ("off", False)]
+)
+def test_mori_io_enable_notification_from_the_environment(
+    value: str, on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MoRI-IO's ``MORI_IO_ENABLE_NOTIFICATION``, read case-blind and trimmed, overrides the config's field."""
+    monkeypatch.setenv("MORI_IO_ENABLE_NOTIFICATION", value)
+    assert RdmaBackendConfig(enable_notification=not on).effective().enable_notification is on
+
+
+def test_the_smallest_valid_config_passes_and_the_checks_say_mori_ios_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MORI_IO_ENABLE_NOTIFICATION", raising=False)
+    assert RdmaBackendConfig(max_chunks_per_transfer=1, notif_per_qp=1).effective().max_chunks_per_transfer == 1
+    with pytest.raises(RuntimeError) as info:
+        RdmaBackendConfig(notif_per_qp=0).effective()
+    assert str(info.value) == "Invalid RDMA config: notifPerQp must be >= 1 when notification is enabled"
+    assert RdmaBackendConfig(notif_per_qp=0, enable_notification=False).effective().notif_per_qp == 0
