@@ -4,8 +4,10 @@ background tasks, the model thread and the accounting of requests."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -268,6 +270,18 @@ async def test_background_tasks_are_cancelled_at_close_and_failures_logged(caplo
         caplog.clear()
         await inst.close()
     assert forever.cancelled() and not caplog.records  # neither a cancelled nor a finished task is an error
+
+
+async def test_a_finished_background_task_is_not_kept() -> None:
+    """One task per control message sent soon or received: keeping them would grow without bound."""
+    inst = Instance(settings("prefill-0", "prefill"))
+    task = inst.spawn(asyncio.sleep(0))
+    await asyncio.wait([task])
+    await asyncio.sleep(0)  # its done callbacks run
+    gone = weakref.ref(task)
+    del task
+    gc.collect()
+    assert gone() is None
 
 
 async def test_compute_runs_on_the_model_thread_and_a_cancelled_caller_waits_for_it() -> None:
