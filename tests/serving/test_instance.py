@@ -94,8 +94,11 @@ async def test_a_closed_session_is_replaced_without_close_session(pair: Pair) ->
     assert second is not first and not second.closed
 
 
-async def test_a_peer_that_restarted_gets_a_new_session_and_the_old_one_is_closed(pair: Pair) -> None:
-    old = await pair.a.session_to(pair.ref_b, "decode")
+async def test_a_peer_that_restarted_gets_a_new_session_and_the_old_one_is_closed(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "moriio_async.serving")
+    old = await pair.a.session_to(pair.ref_b, "decode")  # the first meeting is no restart
     await pair.b.close()
     pair.b = Instance(settings("decode-0", "decode"))
     await pair.b.start()
@@ -109,6 +112,8 @@ async def test_a_peer_that_restarted_gets_a_new_session_and_the_old_one_is_close
             break
         await asyncio.sleep(0.01)
     assert old.closed  # closed in the background: whatever was left on it is aborted
+    said = f"prefill-0: decode-0 restarted (new incarnation {new_ref.incarnation:#x})"
+    assert [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()] == [said]
 
 
 async def test_a_peer_at_an_address_is_checked_to_be_the_incarnation_named(pair: Pair) -> None:
@@ -124,6 +129,20 @@ async def test_a_peer_at_an_address_is_checked_to_be_the_incarnation_named(pair:
         )
         assert await pair.a.peer_gone(wrong)
     assert (await pair.a.connect_peer(ref, "decode")).engine.incarnation == ref.incarnation
+
+
+async def test_a_peer_is_given_control_timeout_to_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    inst = Instance(settings("prefill-0", "prefill", control_timeout=0.25))
+    asked: list[float] = []
+
+    async def connect(address: str, timeout: float) -> None:
+        asked.append(timeout)
+        raise TimeoutError("no answer")
+
+    monkeypatch.setattr(inst.engine, "connect", connect)
+    with pytest.raises(PeerUnavailable, match=r"^cannot reach decode-0 at 127\.0\.0\.1:1: no answer$"):
+        await inst.connect_peer(EngineRef("decode-0", "127.0.0.1:1", 1), "decode")
+    assert asked == [0.25]
 
 
 async def test_a_known_peer_is_not_asked_again(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,6 +289,33 @@ async def test_background_tasks_are_cancelled_at_close_and_failures_logged(caplo
         caplog.clear()
         await inst.close()
     assert forever.cancelled() and not caplog.records  # neither a cancelled nor a finished task is an error
+
+
+async def test_a_cancelled_task_cleans_up_before_the_engine_closes() -> None:
+    """A task cut short at close may still need the engine for its cleanup (abort a session, tell a peer)."""
+    inst = Instance(settings("prefill-0", "prefill"))
+    await inst.start()
+    engine_open_in_cleanup: list[bool] = []
+
+    async def serve() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.01)  # a cleanup that itself waits (for a peer, a session's abort)
+            engine_open_in_cleanup.append(not inst.engine.closed)
+
+    inst.spawn(serve())
+    await asyncio.sleep(0)  # serve is waiting
+    await inst.close()
+    assert engine_open_in_cleanup == [True]
+
+
+async def test_an_instance_never_started_closes_and_its_model_thread_takes_no_more_work() -> None:
+    """A server whose start failed still closes what it built."""
+    inst = Instance(settings("prefill-0", "prefill"))
+    await inst.close()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        await inst.compute(int)
 
 
 async def test_a_finished_background_task_is_not_kept() -> None:
