@@ -11,12 +11,13 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 
 from moriio_async import IOEngine, IOEngineConfig
 from moriio_async.serving.config import InstanceSettings, Role
 from moriio_async.serving.instance import Instance, PeerUnavailable, ServingError, check_prompt
-from moriio_async.serving.messages import ControlMessage, EngineRef, Release, WriteFailed
+from moriio_async.serving.messages import ControlMessage, EngineRef, Release, WriteFailed, control_decoder
 from moriio_async.serving.model import Model, ModelConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -222,7 +223,9 @@ async def test_malformed_and_unexpected_messages_are_dropped_with_a_warning(
         await pair.a.notify(pair.ref_b, Release("after"))
         assert await asyncio.wait_for(got.get(), 10) == Release("after")  # the router went on
     texts = [r.getMessage() for r in caplog.records]
-    assert any(t.startswith("decode-0: malformed control message from prefill-0 dropped: ") for t in texts)
+    with pytest.raises(msgspec.DecodeError) as reason:
+        control_decoder().decode(b"not msgpack \xc1")
+    assert f"decode-0: malformed control message from prefill-0 dropped: {reason.value}" in texts
     assert "decode-0: unexpected WriteFailed from prefill-0 dropped" in texts
 
 
