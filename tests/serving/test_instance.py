@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
+from prometheus_client import generate_latest
 
 from moriio_async import IOEngine, IOEngineConfig
 from moriio_async.serving.config import InstanceSettings, Role
@@ -65,6 +66,8 @@ async def test_kv_is_refused_before_start_and_is_the_pools_array_after() -> None
     try:
         assert (inst.kv.name, inst.kv.engine_key, inst.kv.incarnation) == ("kv", "prefill-0", inst.engine.incarnation)
         assert inst.metrics.registry.get_sample_value("moriio_kv_blocks_free") == BLOCKS
+        scrape = generate_latest(inst.metrics.registry).decode()
+        assert "# HELP moriio_kv_blocks_free KV blocks of this instance by state\n" in scrape  # what /metrics says
         health = inst.health()
         assert (health.role, health.name, health.model) == ("prefill", "prefill-0", SMALL.name)
         assert health.fingerprint == SMALL.fingerprint() and health.layout == inst.pool.layout
