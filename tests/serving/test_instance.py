@@ -78,6 +78,19 @@ async def test_kv_is_refused_before_start_and_is_the_pools_array_after() -> None
         await inst.close()
 
 
+async def test_start_logs_where_the_engine_listens_and_names_its_router(caplog: pytest.LogCaptureFixture) -> None:
+    inst = Instance(settings("prefill-0", "prefill"))
+    with caplog.at_level(logging.INFO, "moriio_async.serving"):
+        await inst.start()
+    try:
+        said = f"prefill-0: engine {inst.engine.address} ({inst.engine.backend_name}), {BLOCKS} KV blocks"
+        assert said in [r.getMessage() for r in caplog.records]
+        names = {t.get_name() for t in asyncio.all_tasks() if not t.done()}
+        assert "prefill-0-notifications" in names  # what a task dump shows
+    finally:
+        await inst.close()
+
+
 async def test_a_session_is_reused_until_closed_and_a_fresh_one_follows(pair: Pair) -> None:
     first = await pair.a.session_to(pair.ref_b, "decode")
     assert await pair.a.session_to(pair.ref_b, "decode") is first
