@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import socket
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -74,6 +75,30 @@ async def test_kv_is_refused_before_start_and_is_the_pools_array_after() -> None
         assert health.engine == EngineRef("prefill-0", inst.engine.address, inst.engine.incarnation)
         assert health.backend == inst.engine.backend_name  # no sessions yet
         assert health.blocks["free"] == BLOCKS and (health.requests_in_flight, health.requests_served) == (0, 0)
+    finally:
+        await inst.close()
+
+
+async def test_the_engine_listens_where_the_settings_say_with_their_transfer_deadline() -> None:
+    with socket.socket() as probe:  # a port free a moment ago
+        probe.bind(("127.0.0.2", 0))
+        port = probe.getsockname()[1]
+    inst = Instance(
+        InstanceSettings(
+            "prefill-0",
+            "prefill",
+            SMALL,
+            BLOCKS,
+            backend="mock",
+            host="127.0.0.2",
+            engine_port=port,
+            transfer_timeout=7.5,
+        )
+    )
+    await inst.start()
+    try:
+        assert inst.engine.address == f"127.0.0.2:{port}" and inst.engine_ref().address == inst.engine.address
+        assert inst.engine.config.transfer_timeout == 7.5
     finally:
         await inst.close()
 
