@@ -93,12 +93,13 @@ async def test_the_engine_listens_where_the_settings_say_with_their_transfer_dea
             host="127.0.0.2",
             engine_port=port,
             transfer_timeout=7.5,
+            control_timeout=2.5,
         )
     )
     await inst.start()
     try:
         assert inst.engine.address == f"127.0.0.2:{port}" and inst.engine_ref().address == inst.engine.address
-        assert inst.engine.config.transfer_timeout == 7.5
+        assert (inst.engine.config.transfer_timeout, inst.engine.config.control_timeout) == (7.5, 2.5)
     finally:
         await inst.close()
 
@@ -397,6 +398,30 @@ async def test_compute_runs_on_the_model_thread_and_a_cancelled_caller_waits_for
         assert finished.is_set()
     finally:
         await inst.close()
+
+
+async def test_the_model_runs_one_computation_at_a_time_on_one_thread() -> None:
+    """Requests share one model thread: a second computation waits for the first instead of racing it."""
+    inst = Instance(settings("prefill-0", "prefill"))
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        started.set()
+        release.wait(10)
+        ran.append(threading.current_thread().name)
+
+    def second() -> None:
+        ran.append(threading.current_thread().name)
+
+    one = asyncio.create_task(inst.compute(first))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    two = asyncio.create_task(inst.compute(second))
+    await asyncio.sleep(0)  # second is submitted while first runs
+    release.set()
+    await asyncio.gather(one, two)
+    assert ran == ["prefill-0-model_0", "prefill-0-model_0"]
+    await inst.close()
 
 
 async def test_requests_are_counted_in_flight_and_by_outcome() -> None:
