@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moriio_async.compat.mori import IOEngine, MemoryLocationType, RdmaBackendConfig, StatusCode, TransferStatus
-from moriio_async.compat.mori.loop import LoopThread
+from moriio_async.compat.mori.loop import LoopThread, new_event_loop
 
 from .conftest import make_pair, on_loop, register
 from .test_inbound import wait_inbound
@@ -261,3 +261,10 @@ def test_an_error_on_the_loop_thread_is_logged_with_its_traceback_and_the_loop_g
     _, mx = register(a, 64)
     _, my = register(b, 64)
     assert a.write(mx, 0, my, 0, 64).WaitFor(10_000) is StatusCode.SUCCESS
+
+
+def test_an_unknown_loop_kind_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORIIO_COMPAT_LOOP", "trio")
+    with pytest.raises(ValueError) as info:
+        new_event_loop()
+    assert str(info.value) == "MORIIO_COMPAT_LOOP='trio': choose 'uvloop' or 'asyncio'"
